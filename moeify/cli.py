@@ -1,0 +1,96 @@
+"""moeify command line: parses flags, calls the library, renders with rich. Only cli.py and report.py print."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from .errors import MoeifyError
+
+app = typer.Typer(
+    help="Carve a dense LLaMA/Mistral checkpoint into a Mixture-of-Experts checkpoint, and measure the cost.",
+    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+)
+console = Console(stderr=True)
+out_console = Console()
+
+
+def _fail(exc: MoeifyError) -> None:
+    console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TimeRemainingColumn(), console=console, transient=False)
+
+
+@app.command()
+def convert(
+    src: Path = typer.Argument(..., help="Dense checkpoint directory (config.json, *.safetensors, tokenizer)."),
+    out: Path = typer.Argument(..., help="Output directory for the MoE checkpoint (must not exist unless --overwrite)."),
+    experts: Optional[int] = typer.Option(None, "--experts", "-n", help="Routed experts per layer [default: 8]."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", "-k", help="Routed experts active per token [default: 2]."),
+    shared: Optional[int] = typer.Option(None, "--shared", help="Always-on shared width, in units of one expert "
+                                         "(every expert is d_ff/(experts+shared) wide) [default: 0]."),
+    method: Optional[str] = typer.Option(None, help="Neuron partition: contiguous | random | gate-cluster "
+                                         "(balanced k-means of gate_proj rows) [default: gate-cluster]."),
+    router: Optional[str] = typer.Option(None, help="Router rows: mean-gate (EMoE) | representative (CMoE) "
+                                         "[default: representative]."),
+    format: Optional[str] = typer.Option(None, "--format", help="Output format: mixtral | qwen2_moe | auto "
+                                         "(qwen2_moe when --shared or --dense-layers need it) [default: auto]."),
+    dense_layers: Optional[str] = typer.Option(None, help="Comma-separated layers kept dense, e.g. 0,31 (qwen2_moe)."),
+    gate_tolerance: Optional[float] = typer.Option(None, help="Max relative error of each unit gate vs 1/k; sets the "
+                                                   "router scale (smaller = closer to exact, more float ties) [default: 1e-3]."),
+    seed: Optional[int] = typer.Option(None, help="Seed for random/k-means partitions [default: 0]."),
+    kmeans_iters: Optional[int] = typer.Option(None, help="Lloyd iterations of balanced k-means [default: 8]."),
+    dtype: Optional[str] = typer.Option(None, help="Output dtype: auto (keep source) | bfloat16 | float16 | float32."),
+    max_shard_size: Optional[str] = typer.Option(None, help="Max bytes per output shard, e.g. 5GB, 500MB [default: 5GB]."),
+    untie_embeddings: Optional[bool] = typer.Option(None, "--untie-embeddings/--keep-tied", help="Write an explicit "
+                                                    "lm_head copy for tied-embedding sources [default: keep tied]."),
+    preset: Optional[Path] = typer.Option(None, help="TOML preset (e.g. configs/e8k2.toml); flags override it."),
+    overwrite: bool = typer.Option(False, help="Replace OUT (and any leftover OUT.moeify-partial) if it exists."),
+    dry_run: bool = typer.Option(False, help="Print the plan (sizes, parameters, FLOPs) and write nothing."),
+) -> None:
+    """Split every FFN into experts and write a Mixtral / Qwen2-MoE checkpoint that stock transformers loads.
+
+    Example: moeify convert path/to/Llama-3-8B out/llama-moe --experts 8 --top-k 2
+    """
+    from .config import build_config
+    from .convert import plan_conversion, run_conversion
+    from .report import print_plan, print_result
+
+    try:
+        cfg = build_config(preset, experts=experts, top_k=top_k, shared=shared, method=method, router=router,
+                           format=format, dense_layers=dense_layers, gate_tolerance=gate_tolerance, seed=seed,
+                           kmeans_iters=kmeans_iters, dtype=dtype, max_shard_size=max_shard_size,
+                           untie_embeddings=untie_embeddings)
+        plan = plan_conversion(src, cfg)
+        print_plan(out_console, plan, out)
+        if dry_run:
+            out_console.print("[dim]--dry-run: nothing written[/]")
+            return
+        with _progress() as bar:
+            task = bar.add_task("carving layers", total=plan.src.n_layers)
+            report = run_conversion(plan, out, overwrite=overwrite,
+                                    progress=lambda stage, done, total: bar.update(task, completed=done))
+        print_result(out_console, report, out)
+    except MoeifyError as exc:
+        _fail(exc)
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        console.print("[bold red]interrupted[/]: no output was left behind")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

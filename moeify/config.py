@@ -1,0 +1,157 @@
+"""ConvertConfig: every setting of a conversion, resolved from a TOML preset and CLI flags (flags win)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import MoeifyError
+
+METHODS = ("contiguous", "random", "gate-cluster")
+ROUTERS = ("mean-gate", "representative")
+FORMATS = ("auto", "mixtral", "qwen2_moe")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ConvertConfig:
+    experts: int = 8  # routed experts per layer
+    top_k: int = 2  # routed experts active per token
+    shared: int = 0  # always-on width, in units of one expert
+    method: str = "gate-cluster"  # how neurons are grouped into experts
+    router: str = "representative"  # how router rows are built
+    format: str = "auto"  # mixtral | qwen2_moe | auto (mixtral unless shared experts / dense layers need qwen2_moe)
+    dense_layers: tuple[int, ...] = ()  # layers whose FFN stays dense (qwen2_moe only)
+    gate_tolerance: float = 1e-3  # bound on the relative error of every unit gate (sets the router scale)
+    seed: int = 0
+    kmeans_iters: int = 8  # Lloyd iterations of balanced k-means
+    dtype: str = "auto"  # output dtype; auto keeps the source dtype
+    max_shard_bytes: int = 5_000_000_000
+    untie_embeddings: bool = False  # write an explicit lm_head copy for tied sources
+
+    def resolved_format(self) -> str:
+        if self.format != "auto":
+            return self.format
+        return "qwen2_moe" if (self.shared > 0 or self.dense_layers) else "mixtral"
+
+    def validate(self) -> None:
+        """Checks that need no checkpoint. Checkpoint-dependent checks live in convert.plan_conversion."""
+        for name in ("experts", "top_k", "shared", "seed", "kmeans_iters", "max_shard_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise MoeifyError(f"--{_flag(name)} must be an integer, got {value!r}")
+        if self.experts < 1:
+            raise MoeifyError(f"--experts must be ≥ 1, got {self.experts}")
+        if self.shared < 0:
+            raise MoeifyError(f"--shared must be ≥ 0, got {self.shared}")
+        if not 1 <= self.top_k <= self.experts:
+            raise MoeifyError(
+                f"--top-k must be between 1 and --experts ({self.experts}), got {self.top_k}",
+                "top-k is the number of routed experts each token uses",
+            )
+        if self.kmeans_iters < 1:
+            raise MoeifyError(f"--kmeans-iters must be ≥ 1, got {self.kmeans_iters}")
+        if self.max_shard_bytes < 1:
+            raise MoeifyError(f"--max-shard-size must be positive, got {self.max_shard_bytes} bytes")
+        if not (0.0 < self.gate_tolerance < 1.0):
+            raise MoeifyError(f"--gate-tolerance must be in (0, 1), got {self.gate_tolerance}")
+        _check_choice("method", self.method, METHODS)
+        _check_choice("router", self.router, ROUTERS)
+        _check_choice("format", self.format, FORMATS)
+        _check_choice("dtype", self.dtype, DTYPES)
+        if any((not isinstance(i, int)) or i < 0 for i in self.dense_layers):
+            raise MoeifyError(f"--dense-layers must be non-negative layer indices, got {list(self.dense_layers)}")
+        fmt = self.resolved_format()
+        if fmt == "mixtral" and self.shared > 0:
+            raise MoeifyError("--format mixtral cannot hold shared experts", "use --format qwen2_moe (or auto)")
+        if fmt == "mixtral" and self.dense_layers:
+            raise MoeifyError("--format mixtral cannot keep layers dense", "use --format qwen2_moe (or auto)")
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise MoeifyError(f"--{_flag(name)} {value!r} is not one of: {', '.join(choices)}")
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB' -> 5_000_000_000, '300MiB' -> 314572800, '1000' -> 1000 (bytes)."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)?\s*", str(text).upper())
+    if not m:
+        raise MoeifyError(f"--max-shard-size {text!r} is not a size", "write e.g. 5GB, 500MB, 2GiB or a byte count")
+    number, unit = float(m.group(1)), (m.group(2) or "B")
+    unit = unit if unit.endswith("B") else unit + "B"
+    powers = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    return int(number * powers[unit])
+
+
+def parse_layers(text: str | list | tuple | None) -> tuple[int, ...]:
+    if text is None or text == "":
+        return ()
+    items = text if isinstance(text, (list, tuple)) else str(text).split(",")
+    try:
+        return tuple(sorted({int(str(i).strip()) for i in items}))
+    except ValueError:
+        raise MoeifyError(f"--dense-layers {text!r} is not a comma-separated list of layer indices", "e.g. 0,31") from None
+
+
+def load_preset(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise MoeifyError(f"preset {path} not found", "pass a TOML file, e.g. --preset configs/e8k2.toml")
+    try:
+        data = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise MoeifyError(f"preset {path} is not valid TOML: {exc}") from None
+    known = {f.name for f in dataclasses.fields(ConvertConfig)}
+    data = {k.replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(data) - known - {"max_shard_size"})
+    if unknown:
+        raise MoeifyError(f"preset {path} has unknown key(s): {', '.join(unknown)}", f"known keys: {', '.join(sorted(known))}")
+    return data
+
+
+def build_config(preset: str | Path | None = None, **flags) -> ConvertConfig:
+    """Merge a preset with flags (flags that are None fall back to the preset, then to the defaults)."""
+    values = load_preset(preset) if preset else {}
+    values.update({k: v for k, v in flags.items() if v is not None})
+    if "max_shard_size" in values:
+        values["max_shard_bytes"] = parse_size(values.pop("max_shard_size"))
+    if "dense_layers" in values:
+        values["dense_layers"] = parse_layers(values["dense_layers"])
+    cfg = ConvertConfig(**values)
+    cfg.validate()
+    return cfg
+
+
+def config_to_toml(cfg: ConvertConfig, extra: dict | None = None) -> str:
+    """Resolved settings as TOML (written to OUT/moeify.toml; usable again as --preset)."""
+    lines = []
+    for f in dataclasses.fields(cfg):
+        lines.append(f"{f.name} = {_toml_value(getattr(cfg, f.name))}")
+    if extra:
+        lines.append("")
+        lines.append("[provenance]")
+        lines.extend(f"{k} = {_toml_value(v)}" for k, v in extra.items())
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+__all__ = ["ConvertConfig", "build_config", "config_to_toml", "load_preset", "parse_size", "parse_layers", "field"]

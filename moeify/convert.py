@@ -1,0 +1,269 @@
+"""The pipeline: plan (config + headers only, every check up front) -> per layer carve -> stream out -> verify.
+
+Only this module touches both the reader and the writer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import __version__
+from .budget import Budget, carve_budget
+from .checkpoint import DTYPE_NAMES, CheckpointReader, ShardLayout, ShardWriter, TensorInfo, commit_output, prepare_output
+from .config import ConvertConfig, config_to_toml
+from .errors import MoeifyError
+from .families import (TOKENIZER_FILES, SourceModel, attention_extras, check_source_tensors, ffn_tensor_names,
+                       load_source, target_config)
+from .partition import Partition, partition_neurons, valid_expert_counts
+from .router import build_router, unit_gate_scale
+
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
+
+
+@dataclass
+class ConversionPlan:
+    src: SourceModel
+    cfg: ConvertConfig
+    fmt: str
+    out_dtype: torch.dtype
+    expert_width: int
+    shared_width: int
+    tied_out: bool  # whether the output keeps tie_word_embeddings
+    tensors: list[TensorInfo]  # output tensors in write order
+    layout: ShardLayout
+    config_json: dict
+    budget: Budget
+    reader: CheckpointReader = field(repr=False)
+
+    @property
+    def output_bytes(self) -> int:
+        return self.layout.total_bytes()
+
+
+def plan_conversion(src_path: str | Path, cfg: ConvertConfig) -> ConversionPlan:
+    """Read config and shard headers only; check everything that can be checked before heavy work."""
+    cfg.validate()
+    src = load_source(src_path)
+    reader = CheckpointReader(src.path)
+    check_source_tensors(src, reader.tensors)
+    fmt = cfg.resolved_format()
+
+    units = cfg.experts + cfg.shared
+    if src.d_ff % units:
+        valid = [n for n in range(1, src.d_ff + 1) if src.d_ff % (n + cfg.shared) == 0 and n <= 256]
+        raise MoeifyError(
+            f"--experts {cfg.experts} with --shared {cfg.shared} does not divide intermediate_size {src.d_ff} "
+            f"into {units} equal experts",
+            f"valid --experts for --shared {cfg.shared}: {', '.join(map(str, valid[:40]))}",
+        )
+    width = src.d_ff // units
+    bad = [i for i in cfg.dense_layers if i >= src.n_layers]
+    if bad:
+        raise MoeifyError(f"--dense-layers {bad[0]} is out of range: the model has {src.n_layers} layers (0..{src.n_layers - 1})")
+    if len(cfg.dense_layers) == src.n_layers:
+        raise MoeifyError("--dense-layers lists every layer: nothing would be converted")
+
+    out_dtype = DTYPE_NAMES[cfg.dtype] if cfg.dtype != "auto" else reader.tensors["model.embed_tokens.weight"].dtype
+    tied_out = src.tied and not cfg.untie_embeddings
+    tensors = _output_tensors(src, reader, fmt, cfg, width, out_dtype, tied_out)
+    layout = ShardLayout.plan(tensors, cfg.max_shard_bytes)
+    config_json = target_config(src, fmt, experts=cfg.experts, top_k=cfg.top_k, expert_width=width,
+                                shared_width=cfg.shared * width, dense_layers=cfg.dense_layers, dtype=out_dtype,
+                                tied=tied_out)
+    ffn_names = {n for n in src.expected_tensors() if ".mlp." in n}
+    other = sum(t.nbytes // t.dtype.itemsize for n, t in reader.tensors.items() if n in src.expected_tensors() and n not in ffn_names)
+    budget = carve_budget(hidden=src.hidden, d_ff=src.d_ff, n_layers=src.n_layers, other_params=other,
+                          experts=cfg.experts, top_k=cfg.top_k, expert_width=width, shared_width=cfg.shared * width,
+                          dense_layers=len(cfg.dense_layers))
+    return ConversionPlan(src, cfg, fmt, out_dtype, width, cfg.shared * width, tied_out, tensors, layout, config_json,
+                          budget, reader)
+
+
+def _output_tensors(src: SourceModel, reader: CheckpointReader, fmt: str, cfg: ConvertConfig, width: int,
+                    dtype: torch.dtype, tied_out: bool) -> list[TensorInfo]:
+    h = src.hidden
+    out = [TensorInfo("model.embed_tokens.weight", dtype, (src.vocab, h))]
+    for i in range(src.n_layers):
+        p = f"model.layers.{i}."
+        for name in ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                     "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight"):
+            out.append(TensorInfo(p + name, dtype, reader.tensors[p + name].shape))
+        out += [TensorInfo(n, dtype, s) for n, s in attention_extras(fmt, src, i)]
+        dense = i in cfg.dense_layers
+        for name in ffn_tensor_names(fmt, i, cfg.experts, dense, shared=cfg.shared > 0):
+            out.append(TensorInfo(name, dtype, _ffn_shape(name, src, cfg, width, dense)))
+    out.append(TensorInfo("model.norm.weight", dtype, (h,)))
+    if not tied_out:
+        out.append(TensorInfo("lm_head.weight", dtype, (src.vocab, h)))
+    return out
+
+
+def _ffn_shape(name: str, src: SourceModel, cfg: ConvertConfig, width: int, dense: bool) -> tuple[int, ...]:
+    h = src.hidden
+    if name.endswith("shared_expert_gate.weight"):
+        return (1, h)
+    if name.endswith(".gate.weight"):
+        return (cfg.experts, h)
+    w = src.d_ff if dense else (cfg.shared * width if ".shared_expert." in name else width)
+    return (h, w) if name.endswith(("w2.weight", "down_proj.weight")) else (w, h)
+
+
+# ------------------------------------------------------------------------------------------ carving a layer
+
+
+def carve_ffn(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, norm_weight: torch.Tensor,
+              cfg: ConvertConfig) -> tuple[Partition, torch.Tensor, float]:
+    """Partition one FFN and build its router. Returns (partition, router rows scaled for unit gates, scale)."""
+    part = partition_neurons(cfg.method, gate, up, down, n_experts=cfg.experts, n_shared=cfg.shared * (gate.shape[0] // (cfg.experts + cfg.shared)),
+                             seed=cfg.seed, kmeans_iters=cfg.kmeans_iters)
+    router = build_router(cfg.router, gate, part)
+    scale = unit_gate_scale(router, norm_weight, cfg.gate_tolerance)
+    return part, router * scale, scale
+
+
+def ffn_output_tensors(fmt: str, layer_idx: int, part: Partition, router: torch.Tensor, gate: torch.Tensor,
+                       up: torch.Tensor, down: torch.Tensor, cfg: ConvertConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The target tensors of one carved FFN. Selected experts get weight ~1/k, so down_proj is multiplied by k;
+    the Qwen2-MoE shared expert gets sigmoid(0) = 1/2, so its down_proj is multiplied by 2."""
+    k = cfg.top_k
+    names = iter(ffn_tensor_names(fmt, layer_idx, cfg.experts, dense=False, shared=cfg.shared > 0))
+    out = {next(names): router.to(dtype)}
+    for e in range(cfg.experts):
+        idx = part.expert_neurons(e)
+        out[next(names)] = gate[idx].to(dtype)
+        out[next(names)] = up[idx].to(dtype)
+        out[next(names)] = (down[:, idx].float() * k).to(dtype)
+    if fmt == "qwen2_moe":
+        idx = part.shared_neurons
+        out[next(names)] = gate[idx].to(dtype)
+        out[next(names)] = up[idx].to(dtype)
+        out[next(names)] = (down[:, idx].float() * 2).to(dtype)
+        out[next(names)] = torch.zeros(1, gate.shape[1], dtype=dtype)
+    return out
+
+
+def perm_hash(perm: torch.Tensor) -> str:
+    return hashlib.sha256(perm.to(torch.int64).numpy().tobytes()).hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------------------------ running
+
+
+def run_conversion(plan: ConversionPlan, out: str | Path, *, overwrite: bool = False,
+                   progress: Progress | None = None) -> dict:
+    """Carve every layer and write OUT atomically. Returns the report (also written to OUT/report.json)."""
+    out = Path(out)
+    src, cfg, dtype = plan.src, plan.cfg, plan.out_dtype
+    if _inside(out, src.path):
+        raise MoeifyError(f"output {out} is inside the source checkpoint {src.path}", "write the output elsewhere")
+    tmp = prepare_output(out, overwrite)
+    writer = ShardWriter(tmp, plan.layout)
+    reader = plan.reader
+    t0 = time.time()
+    layers_report = []
+    try:
+        writer.write("model.embed_tokens.weight", reader.get("model.embed_tokens.weight").to(dtype))
+        for i in range(src.n_layers):
+            p = f"model.layers.{i}."
+            for name in ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                         "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight"):
+                writer.write(p + name, reader.get(p + name).to(dtype))
+            for name, shape in attention_extras(plan.fmt, src, i):
+                writer.write(name, torch.zeros(shape, dtype=dtype))
+            gate, up, down = (reader.get(p + f"mlp.{n}_proj.weight") for n in ("gate", "up", "down"))
+            if i in cfg.dense_layers:
+                for name, t in zip(ffn_tensor_names(plan.fmt, i, cfg.experts, True, cfg.shared > 0), (gate, up, down)):
+                    writer.write(name, t.to(dtype))
+                layers_report.append({"layer": i, "dense": True})
+            else:
+                norm = reader.get(p + "post_attention_layernorm.weight")
+                part, router, scale = carve_ffn(gate, up, down, norm, cfg)
+                for name, t in ffn_output_tensors(plan.fmt, i, part, router, gate, up, down, cfg, dtype).items():
+                    writer.write(name, t)
+                layers_report.append({
+                    "layer": i, "dense": False, "expert_sizes": [part.expert_width] * part.n_experts,
+                    "shared_neurons": part.n_shared, "router_scale": scale, "perm_sha256": perm_hash(part.perm),
+                    "perm": part.perm.tolist(),
+                })
+            del gate, up, down
+            if progress:
+                progress("layers", i + 1, src.n_layers)
+        writer.write("model.norm.weight", reader.get("model.norm.weight").to(dtype))
+        if not plan.tied_out:
+            name = "lm_head.weight" if "lm_head.weight" in reader.tensors and not src.tied else "model.embed_tokens.weight"
+            writer.write("lm_head.weight", reader.get(name).to(dtype))
+        writer.finish()
+        reader.close()
+        report = _write_metadata(plan, tmp, layers_report, time.time() - t0)
+        verify_layout(tmp, plan)
+        commit_output(tmp, out)
+    except BaseException:
+        writer.abort()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return report
+
+
+def _write_metadata(plan: ConversionPlan, tmp: Path, layers_report: list[dict], seconds: float) -> dict:
+    (tmp / "config.json").write_text(json.dumps(plan.config_json, indent=2, sort_keys=True) + "\n")
+    for name in TOKENIZER_FILES:
+        f = plan.src.path / name
+        if f.is_file():
+            shutil.copyfile(f, tmp / name)
+    provenance = {"moeify_version": __version__, "source": str(plan.src.path), "format": plan.fmt,
+                  "expert_width": plan.expert_width, "shared_width": plan.shared_width,
+                  "output_dtype": str(plan.out_dtype).removeprefix("torch.")}
+    (tmp / "moeify.toml").write_text(config_to_toml(plan.cfg, provenance))
+    b = plan.budget
+    report = {**provenance, "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in plan.cfg.__dict__.items()},
+              "total_params": b.total_params, "active_params": b.active_params, "ffn_flops_ratio": b.flops_ratio,
+              "seconds": round(seconds, 3), "layers": layers_report}
+    (tmp / "report.json").write_text(json.dumps(report) + "\n")
+    return report
+
+
+def verify_layout(out_dir: Path, plan: ConversionPlan) -> None:
+    """Cheap check of what was written: every planned tensor in the shard headers with its shape and dtype."""
+    written = CheckpointReader(out_dir).tensors
+    for t in plan.tensors:
+        got = written.get(t.name)
+        if got is None or got.shape != t.shape or got.dtype != t.dtype:
+            raise RuntimeError(f"output check failed for {t.name}: planned {t.shape} {t.dtype}, wrote {got}")
+    if len(written) != len(plan.tensors):
+        raise RuntimeError(f"output check failed: {len(written)} tensors written, {len(plan.tensors)} planned")
+
+
+def _inside(path: Path, root: Path) -> bool:
+    try:
+        path.resolve().relative_to(root.resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def unpermute_ffn(out_tensors: dict[str, torch.Tensor], part: Partition, fmt: str, layer_idx: int, cfg: ConvertConfig,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rebuild the dense gate/up/down of one layer from its expert tensors (inverse of ffn_output_tensors)."""
+    names = ffn_tensor_names(fmt, layer_idx, cfg.experts, dense=False, shared=cfg.shared > 0)[1:]
+    chunks_g, chunks_u, chunks_d = [], [], []
+    groups = [(names[3 * e: 3 * e + 3], cfg.top_k) for e in range(cfg.experts)]
+    if fmt == "qwen2_moe":
+        groups.insert(0, (names[3 * cfg.experts: 3 * cfg.experts + 3], 2))
+    for (g, u, d), factor in groups:
+        chunks_g.append(out_tensors[g])
+        chunks_u.append(out_tensors[u])
+        chunks_d.append((out_tensors[d].float() / factor).to(out_tensors[d].dtype))
+    inv = torch.argsort(part.perm)
+    return torch.cat(chunks_g)[inv], torch.cat(chunks_u)[inv], torch.cat(chunks_d, dim=1)[:, inv]
+
+
+__all__ = ["ConversionPlan", "plan_conversion", "run_conversion", "carve_ffn", "ffn_output_tensors", "unpermute_ffn",
+           "valid_expert_counts"]

@@ -1,0 +1,214 @@
+"""Source families (llama, mistral) and target formats (mixtral, qwen2_moe).
+
+Tensor-name templates, config translation, and what each target can represent exactly.
+Facts checked against transformers 5.23 (see shared FORMATS.md):
+- Mixtral renormalises its top-k softmax weights; Qwen2-MoE does when `norm_topk_prob` (we set it).
+- Qwen2-MoE's shared expert is scaled by sigmoid(shared_expert_gate(x)); a zero gate gives exactly 0.5.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .checkpoint import DTYPE_NAMES, TensorInfo
+from .errors import MoeifyError
+
+SOURCE_TYPES = ("llama", "mistral")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "dbrx", "olmoe", "granitemoe", "jamba",
+             "phimoe", "jetmoe", "switch_transformers", "gpt_oss", "llama4", "glm4_moe")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # buffers that some old checkpoints saved
+
+
+@dataclass(frozen=True)
+class SourceModel:
+    """A dense Llama/Mistral checkpoint, described by its config (no weights loaded)."""
+
+    path: Path
+    raw: dict  # config.json as found
+    model_type: str
+    hidden: int
+    d_ff: int
+    n_layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    dtype: torch.dtype | None  # from config; None when the config does not say
+    rope_parameters: dict
+    sliding_window: int | None
+
+    def expected_tensors(self) -> dict[str, tuple[int, ...]]:
+        h, f, q, kv = self.hidden, self.d_ff, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        shapes = {"model.embed_tokens.weight": (self.vocab, h), "model.norm.weight": (h,)}
+        if not self.tied:
+            shapes["lm_head.weight"] = (self.vocab, h)
+        for i in range(self.n_layers):
+            p = f"model.layers.{i}."
+            shapes.update({
+                p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f),
+                p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            })
+        return shapes
+
+
+def read_config(path: Path) -> dict:
+    cfg_path = path / "config.json"
+    if not path.exists():
+        raise MoeifyError(f"{path} does not exist", "pass the directory of a Hugging Face checkpoint")
+    if not path.is_dir():
+        raise MoeifyError(f"{path} is not a directory", "pass the directory holding config.json and *.safetensors")
+    if not cfg_path.is_file():
+        raise MoeifyError(f"{cfg_path} not found", "pass the directory of a Hugging Face checkpoint (with config.json)")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise MoeifyError(f"{cfg_path} is not valid JSON ({exc})", "fix or re-download config.json") from None
+    if not isinstance(raw, dict):
+        raise MoeifyError(f"{cfg_path} is not a JSON object")
+    return raw
+
+
+def load_source(path: str | Path) -> SourceModel:
+    path = Path(path)
+    raw = read_config(path)
+    model_type = raw.get("model_type")
+    if model_type in MOE_TYPES or "num_local_experts" in raw or "num_experts" in raw:
+        raise MoeifyError(f"{path}/config.json: model_type {model_type!r} is already a Mixture-of-Experts model",
+                          "moeify converts dense llama/mistral checkpoints")
+    if model_type not in SOURCE_TYPES:
+        raise MoeifyError(f"{path}/config.json: model_type {model_type!r} is not supported",
+                          f"supported dense sources: {', '.join(SOURCE_TYPES)}")
+    for flag in ("attention_bias", "mlp_bias"):
+        if raw.get(flag):
+            raise MoeifyError(f"{path}/config.json: {flag}=true cannot be represented in Mixtral or Qwen2-MoE",
+                              "only bias-free llama/mistral checkpoints are supported")
+    # Let transformers standardise rope (legacy rope_theta/rope_scaling -> rope_parameters) and defaults.
+    from transformers import LlamaConfig, MistralConfig
+
+    cls = LlamaConfig if model_type == "llama" else MistralConfig
+    try:
+        cfg = cls.from_dict({k: v for k, v in raw.items() if k not in ("auto_map",)})
+    except Exception as exc:  # transformers raises many types for bad values
+        raise MoeifyError(f"{path}/config.json could not be read as a {model_type} config: {exc}") from None
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        value = getattr(cfg, key, None)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise MoeifyError(f"{path}/config.json: {key} must be a positive integer, got {value!r}")
+    heads = cfg.num_attention_heads
+    kv = cfg.num_key_value_heads or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    dtype_name = raw.get("torch_dtype") or raw.get("dtype")
+    sliding = raw.get("sliding_window") if model_type == "mistral" else None
+    return SourceModel(
+        path=path, raw=raw, model_type=model_type, hidden=cfg.hidden_size, d_ff=cfg.intermediate_size,
+        n_layers=cfg.num_hidden_layers, heads=heads, kv_heads=kv, head_dim=head_dim, vocab=cfg.vocab_size,
+        tied=bool(cfg.tie_word_embeddings), dtype=DTYPE_NAMES.get(dtype_name) if isinstance(dtype_name, str) else None,
+        rope_parameters=dict(cfg.rope_parameters or {"rope_type": "default", "rope_theta": 10000.0}),
+        sliding_window=sliding,
+    )
+
+
+def check_source_tensors(src: SourceModel, tensors: dict[str, TensorInfo]) -> None:
+    """Every expected tensor present with the expected shape; nothing unknown. Fails before any work."""
+    expected = src.expected_tensors()
+    for name, shape in expected.items():
+        info = tensors.get(name)
+        if info is None:
+            raise MoeifyError(f"tensor {name} is missing from {src.path}", "the checkpoint is incomplete; re-download it")
+        if info.shape != shape:
+            raise MoeifyError(f"tensor {name} in {src.path} has shape {list(info.shape)}, config.json implies {list(shape)}",
+                              "config.json and the weights disagree; re-download the checkpoint")
+        if not info.dtype.is_floating_point:
+            raise MoeifyError(f"tensor {name} in {src.path} has dtype {info.dtype}; expected floating point weights",
+                              "quantized checkpoints are not supported; use the bf16/fp16/fp32 release")
+    extra = [n for n in tensors if n not in expected and not n.endswith(IGNORED_SUFFIXES)
+             and not (src.tied and n == "lm_head.weight")]
+    if extra:
+        raise MoeifyError(f"{src.path} has {len(extra)} tensor(s) a {src.model_type} model does not have, e.g. {extra[0]}",
+                          "this layout is not supported (quantized or a different architecture?)")
+
+
+# ------------------------------------------------------------------------------------------ target formats
+
+
+def legacy_rope(rope_parameters: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) keys for readers older than transformers 5."""
+    params = dict(rope_parameters)
+    theta = float(params.pop("rope_theta", 10000.0))
+    if params.get("rope_type", "default") == "default":
+        return theta, None
+    scaling = dict(params)
+    scaling.setdefault("type", scaling.get("rope_type"))
+    return theta, scaling
+
+
+def target_config(src: SourceModel, fmt: str, *, experts: int, top_k: int, expert_width: int, shared_width: int,
+                  dense_layers: tuple[int, ...], dtype: torch.dtype, tied: bool) -> dict:
+    """config.json for the output, built by the transformers config class, plus legacy rope keys."""
+    from transformers import MixtralConfig, Qwen2MoeConfig
+
+    keep = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "hidden_act", "max_position_embeddings", "initializer_range", "rms_norm_eps", "bos_token_id",
+            "eos_token_id", "pad_token_id", "attention_dropout")
+    base = {k: src.raw[k] for k in keep if k in src.raw}
+    base.update(num_key_value_heads=src.kv_heads, head_dim=src.head_dim, tie_word_embeddings=tied,
+                rope_parameters=dict(src.rope_parameters), num_experts_per_tok=top_k)
+    if fmt == "mixtral":
+        cfg = MixtralConfig(**base, intermediate_size=expert_width, num_local_experts=experts,
+                            sliding_window=src.sliding_window)
+        arch = "MixtralForCausalLM"
+    elif fmt == "qwen2_moe":
+        layer_types = ["sliding_attention" if src.sliding_window else "full_attention"] * src.n_layers
+        cfg = Qwen2MoeConfig(**base, intermediate_size=src.d_ff, moe_intermediate_size=expert_width,
+                             shared_expert_intermediate_size=shared_width, num_experts=experts, norm_topk_prob=True,
+                             mlp_only_layers=list(dense_layers), decoder_sparse_step=1, qkv_bias=True,
+                             use_sliding_window=bool(src.sliding_window), sliding_window=src.sliding_window,
+                             max_window_layers=src.n_layers, layer_types=layer_types)
+        arch = "Qwen2MoeForCausalLM"
+    else:  # validated earlier
+        raise ValueError(fmt)
+    out = cfg.to_dict()
+    out["architectures"] = [arch]
+    out["dtype"] = str(dtype).removeprefix("torch.")
+    out["torch_dtype"] = out["dtype"]  # older readers
+    out["rope_theta"], out["rope_scaling"] = legacy_rope(src.rope_parameters)
+    out.pop("transformers_version", None)
+    return out
+
+
+def ffn_tensor_names(fmt: str, layer_idx: int, experts: int, dense: bool, shared: bool) -> list[str]:
+    """Output names of one layer's FFN tensors, in the order the converter writes them."""
+    if fmt == "mixtral":
+        p = f"model.layers.{layer_idx}.block_sparse_moe."
+        names = [p + "gate.weight"]
+        for e in range(experts):
+            names += [f"{p}experts.{e}.w1.weight", f"{p}experts.{e}.w3.weight", f"{p}experts.{e}.w2.weight"]
+        return names
+    p = f"model.layers.{layer_idx}.mlp."
+    if dense:
+        return [p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"]
+    names = [p + "gate.weight"]
+    for e in range(experts):
+        names += [f"{p}experts.{e}.gate_proj.weight", f"{p}experts.{e}.up_proj.weight", f"{p}experts.{e}.down_proj.weight"]
+    names += [p + "shared_expert.gate_proj.weight", p + "shared_expert.up_proj.weight",
+              p + "shared_expert.down_proj.weight", p + "shared_expert_gate.weight"]
+    return names
+
+
+def attention_extras(fmt: str, src: SourceModel, layer_idx: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Tensors the target needs that a Llama source lacks: Qwen2-MoE's zero q/k/v biases."""
+    if fmt != "qwen2_moe":
+        return []
+    p = f"model.layers.{layer_idx}.self_attn."
+    q, kv = src.heads * src.head_dim, src.kv_heads * src.head_dim
+    return [(p + "q_proj.bias", (q,)), (p + "k_proj.bias", (kv,)), (p + "v_proj.bias", (kv,))]

@@ -1,0 +1,184 @@
+"""Pure maths: FFN weights -> a permutation of the intermediate neurons and its cut into experts.
+
+A partition is a permutation `perm` of range(d_ff): perm[:n_shared] are the shared (always-on) neurons,
+then expert e owns perm[n_shared + e*w : n_shared + (e+1)*w]. Within each group indices are sorted,
+so the result does not depend on the order clustering happened to produce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from scipy.optimize import linear_sum_assignment
+
+# Above this many neurons, the repeated-column linear_sum_assignment (O(n^3)) is replaced by an exact
+# min-cost-flow solver with the same optimum (see balanced_assign); tests check the two agree.
+LSA_MAX_NEURONS = 2048
+
+
+@dataclass(frozen=True)
+class Partition:
+    perm: torch.Tensor  # (d_ff,) int64, a permutation
+    n_shared: int  # neurons in the shared expert (first n_shared of perm)
+    n_experts: int
+    expert_width: int
+
+    def expert_neurons(self, expert_idx: int) -> torch.Tensor:
+        start = self.n_shared + expert_idx * self.expert_width
+        return self.perm[start:start + self.expert_width]
+
+    @property
+    def shared_neurons(self) -> torch.Tensor:
+        return self.perm[: self.n_shared]
+
+    def labels(self) -> torch.Tensor:
+        """(d_ff,) expert index of every neuron, -1 for shared neurons."""
+        labels = torch.full((self.perm.numel(),), -1, dtype=torch.long)
+        for e in range(self.n_experts):
+            labels[self.expert_neurons(e)] = e
+        return labels
+
+
+def valid_expert_counts(routed_width: int) -> list[int]:
+    return [n for n in range(1, routed_width + 1) if routed_width % n == 0 and n <= 256]
+
+
+def weight_scores(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """Weight-only importance of each neuron: ||gate row|| * ||up row|| * ||down column||."""
+    return gate.float().norm(dim=1) * up.float().norm(dim=1) * down.float().norm(dim=0)
+
+
+def make_partition(labels_routed: torch.Tensor, routed: torch.Tensor, shared: torch.Tensor, n_experts: int) -> Partition:
+    """Assemble a Partition from shared neuron ids and a label per routed neuron."""
+    groups = [shared.sort().values]
+    for e in range(n_experts):
+        groups.append(routed[labels_routed == e].sort().values)
+    sizes = {g.numel() for g in groups[1:]}
+    assert len(sizes) == 1, f"unbalanced partition: {sorted(sizes)}"
+    perm = torch.cat(groups).long()
+    return Partition(perm=perm, n_shared=shared.numel(), n_experts=n_experts, expert_width=sizes.pop())
+
+
+def split_shared(scores: torch.Tensor, n_shared: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shared = the n_shared highest-scoring neurons (ties broken by index); the rest are routed."""
+    order = torch.sort(-scores.float(), stable=True).indices
+    return order[:n_shared].sort().values, order[n_shared:].sort().values
+
+
+def balanced_assign(cost: np.ndarray, size: int) -> np.ndarray:
+    """Assign n items to N clusters of exactly `size` items each, minimising the total cost.
+
+    cost: (n, N) with n == N * size. Returns labels (n,). Small problems use Jonker-Volgenant
+    (scipy linear_sum_assignment) on the cost matrix with each cluster's column repeated `size` times.
+    Large ones use successive shortest paths on the N cluster nodes, which is exact too and
+    takes O(excess * n * N) instead of O(n^3).
+    """
+    n, n_clusters = cost.shape
+    assert n == n_clusters * size, (n, n_clusters, size)
+    if n <= LSA_MAX_NEURONS:
+        rows, cols = linear_sum_assignment(np.repeat(cost, size, axis=1))
+        labels = np.empty(n, dtype=np.int64)
+        labels[rows] = cols // size
+        return labels
+    return _balanced_assign_ssp(cost, size)
+
+
+def _balanced_assign_ssp(cost: np.ndarray, size: int) -> np.ndarray:
+    """Min-cost balanced assignment by successive shortest paths over clusters.
+
+    Start from every item at its cheapest cluster (a min-cost pseudo-flow: no negative cycles). While a
+    cluster is over-full, find the cheapest chain of single-item moves over->...->under-full (Bellman-Ford
+    on N nodes, edge a->b costs min over items i in a of cost[i,b]-cost[i,a]) and apply it. Each augmentation
+    along a shortest path keeps the pseudo-flow optimal, so the final balanced assignment is optimal.
+    """
+    cost = np.asarray(cost, dtype=np.float64)
+    n, k = cost.shape
+    labels = cost.argmin(axis=1)
+    counts = np.bincount(labels, minlength=k)
+    rows = np.arange(n)
+    while (counts > size).any():
+        delta = cost - cost[rows, labels][:, None]  # (n, k): cost of moving item i to cluster b
+        edge = np.full((k, k), np.inf)
+        np.minimum.at(edge, labels, delta)  # edge[a, b] = min over items in a
+        np.fill_diagonal(edge, np.inf)
+        # Bellman-Ford from all over-full clusters at once (virtual source).
+        dist = np.where(counts > size, 0.0, np.inf)
+        pred = np.full(k, -1)
+        for _ in range(k):
+            cand = dist[:, None] + edge  # (from, to)
+            best_from = cand.argmin(axis=0)
+            best = cand[best_from, np.arange(k)]
+            improve = best < dist - 1e-12
+            if not improve.any():
+                break
+            dist = np.where(improve, best, dist)
+            pred = np.where(improve, best_from, pred)
+        under = np.flatnonzero(counts < size)
+        target = under[dist[under].argmin()]
+        # Walk back to a source (an over-full cluster: the only nodes with finite dist and no predecessor),
+        # then apply the moves, each item chosen before any move on this path.
+        path = [target]
+        while pred[path[-1]] != -1:
+            path.append(pred[path[-1]])
+        path.reverse()
+        moves = []
+        for a, b in zip(path[:-1], path[1:]):
+            members = np.flatnonzero(labels == a)
+            moves.append((members[delta[members, b].argmin()], b))
+        for item, b in moves:
+            counts[labels[item]] -= 1
+            labels[item] = b
+            counts[b] += 1
+    return labels
+
+
+def balanced_kmeans(x: torch.Tensor, n_clusters: int, iters: int, seed: int) -> torch.Tensor:
+    """Spherical balanced k-means: rows of x (L2-normalised here) into n_clusters equal groups.
+
+    k-means++ initialisation (seeded), then Lloyd iterations whose assignment step is the exact balanced
+    assignment above on cost = -cosine similarity. Returns labels (n,).
+    """
+    x = torch.nn.functional.normalize(x.float(), dim=1)
+    n = x.shape[0]
+    size = n // n_clusters
+    if n_clusters == 1:
+        return torch.zeros(n, dtype=torch.long)
+    gen = torch.Generator().manual_seed(seed)
+    centers = [int(torch.randint(n, (1,), generator=gen))]
+    dist = (1 - x @ x[centers[0]]).clamp_min(0)
+    for _ in range(1, n_clusters):
+        probs = dist / dist.sum() if dist.sum() > 0 else torch.full_like(dist, 1.0 / n)
+        centers.append(int(torch.multinomial(probs, 1, generator=gen)))
+        dist = torch.minimum(dist, (1 - x @ x[centers[-1]]).clamp_min(0))
+    centroids = x[centers].clone()
+    labels = None
+    for _ in range(iters):
+        new = torch.from_numpy(balanced_assign(-(x @ centroids.T).double().numpy(), size))
+        if labels is not None and torch.equal(new, labels):
+            break
+        labels = new
+        centroids = torch.zeros_like(centroids).index_add_(0, labels, x)
+        centroids = torch.nn.functional.normalize(centroids, dim=1)
+    return labels
+
+
+def partition_neurons(method: str, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *, n_experts: int,
+                      n_shared: int, seed: int, kmeans_iters: int = 8) -> Partition:
+    """Weight-only partition of one FFN. gate/up: (d_ff, d_model), down: (d_model, d_ff)."""
+    d_ff = gate.shape[0]
+    scores = weight_scores(gate, up, down) if n_shared else torch.zeros(d_ff)
+    shared, routed = split_shared(scores, n_shared)
+    width = routed.numel() // n_experts
+    if method == "contiguous":
+        labels = torch.arange(routed.numel()) // width
+    elif method == "random":
+        gen = torch.Generator().manual_seed(seed)
+        labels = torch.empty(routed.numel(), dtype=torch.long)
+        labels[torch.randperm(routed.numel(), generator=gen)] = torch.arange(routed.numel()) // width
+    elif method == "gate-cluster":
+        labels = balanced_kmeans(gate[routed], n_experts, kmeans_iters, seed)
+    else:
+        raise ValueError(f"unknown partition method {method!r}")
+    return make_partition(labels, routed, shared, n_experts)

@@ -1,0 +1,59 @@
+"""Pure maths: router rows from gate_proj rows, and the unit-gate router scale.
+
+Unit gates: training-free carving wants every selected expert to add its full output, but Mixtral
+(and Qwen2-MoE with norm_topk_prob) weight the top-k experts by renormalised softmax probabilities.
+Scaling the router by a tiny positive factor `alpha` keeps the top-k order and makes the selected
+weights w_i = exp(alpha*s_i) / sum_j exp(alpha*s_j) all close to 1/k; each expert's down_proj is
+multiplied by k. If every logit lies within a spread D of the others, w_i * k lies in
+[exp(-alpha*D), exp(alpha*D)], so the relative error of every gate is at most exp(alpha*D) - 1.
+
+The logit spread is bounded without data: the router input is RMSNorm output x = g * u with
+||u|| = sqrt(d_model), so |s_e| = |r_e . x| <= ||r_e * g|| * sqrt(d_model), and D <= 2 max_e ||r_e * g|| sqrt(d).
+alpha = tol / that bound guarantees a relative gate error <= exp(tol) - 1 ~ tol for every input.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .partition import Partition
+
+
+def group_centers(x: torch.Tensor, part: Partition) -> torch.Tensor:
+    """(n_experts, d) mean of the L2-normalised rows of x over each expert's neurons."""
+    xn = torch.nn.functional.normalize(x.float(), dim=1)
+    return torch.stack([xn[part.expert_neurons(e)].mean(0) for e in range(part.n_experts)])
+
+
+def mean_gate_router(gate: torch.Tensor, part: Partition) -> torch.Tensor:
+    """EMoE: router row of expert e = mean of its neurons' gate_proj rows. (n_experts, d_model) float32."""
+    return torch.stack([gate[part.expert_neurons(e)].float().mean(0) for e in range(part.n_experts)])
+
+
+def representative_router(gate: torch.Tensor, part: Partition) -> torch.Tensor:
+    """CMoE: router row of expert e = gate_proj row of the member nearest (cosine) the cluster centre."""
+    centers = group_centers(gate, part)
+    gn = torch.nn.functional.normalize(gate.float(), dim=1)
+    rows = []
+    for e in range(part.n_experts):
+        members = part.expert_neurons(e)
+        best = members[(gn[members] @ centers[e]).argmax()]
+        rows.append(gate[best].float())
+    return torch.stack(rows)
+
+
+def build_router(kind: str, gate: torch.Tensor, part: Partition) -> torch.Tensor:
+    if kind == "mean-gate":
+        return mean_gate_router(gate, part)
+    if kind == "representative":
+        return representative_router(gate, part)
+    raise ValueError(f"unknown router {kind!r}")
+
+
+def unit_gate_scale(router: torch.Tensor, norm_weight: torch.Tensor, tolerance: float) -> float:
+    """alpha such that every selected gate is within a relative exp(tolerance)-1 of 1/k, for any input."""
+    d_model = router.shape[1]
+    bound = 2.0 * (router.float() * norm_weight.float()).norm(dim=1).max().item() * math.sqrt(d_model)
+    return tolerance / bound if bound > 0 else 1.0

@@ -1,0 +1,90 @@
+"""Tiny real models, built from configs at test time and saved as real safetensors checkpoints."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpora" / "wikitext2" / "calib_train_200k.txt"
+FALLBACK_TEXT = "The quick brown fox jumps over the lazy dog. " * 50
+
+
+def corpus_text(chars: int = 20000) -> str:
+    return CORPUS.read_text()[:chars] if CORPUS.is_file() else FALLBACK_TEXT
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """A real byte-level BPE tokenizer (vocab 256 + merges) trained on a little English text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([corpus_text()], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    out = tmp_path_factory.mktemp("tokenizer")
+    fast.save_pretrained(out)
+    return out
+
+
+BASE = dict(vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.08, rms_norm_eps=1e-5)
+
+
+def build_dense(path: Path, tokenizer_dir: Path | None = None, family: str = "llama", seed: int = 0,
+                dtype: torch.dtype = torch.float32, max_shard_size: str | None = None, **overrides) -> Path:
+    """Save a random dense Llama/Mistral with `save_pretrained` (real safetensors, real config)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    cfg_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if family == "llama" else (MistralConfig, MistralForCausalLM)
+    cfg = cfg_cls(**{**BASE, **overrides})
+    model = model_cls(cfg).eval()
+    with torch.no_grad():  # non-trivial norms so scales matter
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.to(dtype)
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kw)
+    if tokenizer_dir is not None:
+        for f in tokenizer_dir.iterdir():
+            (path / f.name).write_bytes(f.read_bytes())
+    return path
+
+
+def load(path: Path, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True)
+    return model.eval(), info
+
+
+def max_logit_diff(a: Path, b: Path, seq: int = 24, seed: int = 1) -> float:
+    dense, _ = load(a)
+    moe, info = load(b)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    ids = torch.randint(0, dense.config.vocab_size, (2, seq), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return (dense(ids).logits - moe(ids).logits).abs().max().item()
+
+
+def tree_hash(path: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*")):
+        h.update(str(f.relative_to(path)).encode())
+        if f.is_file():
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())

@@ -1,0 +1,154 @@
+"""Exactness (all experts active == dense), round trip, multi-shard I/O, determinism."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import build_dense, load, max_logit_diff, read_json
+from moeify.checkpoint import CheckpointReader
+from moeify.config import build_config
+from moeify.convert import plan_conversion, run_conversion, unpermute_ffn
+from moeify.partition import Partition
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+EXACT = 1e-4
+
+
+def convert(src, out, **flags):
+    flags.setdefault("gate_tolerance", 1e-6)  # all experts active: near-exact unit gates
+    cfg = build_config(**flags)
+    return run_conversion(plan_conversion(src, cfg), out)
+
+
+CASES = {
+    "llama-gqa-headdim-llama3rope": dict(head_dim=24, rope_parameters=LLAMA3_ROPE),
+    "llama-tied": dict(tie_word_embeddings=True),
+    "mistral-sliding": dict(family="mistral", sliding_window=4),
+}
+TARGETS = {
+    "mixtral": dict(format="mixtral"),
+    "qwen2_moe-shared-dense": dict(format="qwen2_moe", shared=2, dense_layers="1"),
+}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("case", CASES)
+def test_all_experts_active_reproduces_dense_logits(tmp_path, tokenizer_dir, case, target):
+    src = build_dense(tmp_path / "dense", tokenizer_dir, **CASES[case])
+    convert(src, tmp_path / "moe", experts=4, top_k=4, method="gate-cluster", **TARGETS[target])
+    diff = max_logit_diff(src, tmp_path / "moe", seq=24)
+    assert diff <= EXACT, f"{case} -> {target}: max |logit diff| {diff:.3g}"
+
+
+def test_sliding_window_matters_and_is_kept(tmp_path):
+    """A wrong sliding window would change logits at seq > window: the exactness test above is sensitive to it."""
+    src = build_dense(tmp_path / "dense", family="mistral", sliding_window=4)
+    convert(src, tmp_path / "moe", experts=4, top_k=4)
+    cfg = read_json(tmp_path / "moe" / "config.json")
+    assert cfg["sliding_window"] == 4
+    cfg["sliding_window"] = None
+    (tmp_path / "moe" / "config.json").write_text(json.dumps(cfg))
+    assert max_logit_diff(src, tmp_path / "moe", seq=24) > 1e-3
+
+
+def test_legacy_rope_keys_in_source_and_output(tmp_path):
+    """A source config with only legacy rope_theta/rope_scaling keys converts exactly; output carries both styles."""
+    src = build_dense(tmp_path / "dense", rope_parameters=LLAMA3_ROPE)
+    raw = read_json(src / "config.json")
+    params = raw.pop("rope_parameters")
+    raw["rope_theta"] = params.pop("rope_theta")
+    raw["rope_scaling"] = params
+    (src / "config.json").write_text(json.dumps(raw))
+    convert(src, tmp_path / "moe", experts=2, top_k=2)
+    out = read_json(tmp_path / "moe" / "config.json")
+    assert out["rope_parameters"]["rope_type"] == "llama3" and out["rope_theta"] == 50000.0
+    assert out["rope_scaling"]["rope_type"] == "llama3" and out["rope_scaling"]["factor"] == 8.0
+    assert max_logit_diff(src, tmp_path / "moe") <= EXACT
+
+
+def test_untied_lm_head_copy_is_exact(tmp_path):
+    src = build_dense(tmp_path / "dense", tie_word_embeddings=True)
+    convert(src, tmp_path / "moe", experts=4, top_k=4, untie_embeddings=True)
+    assert read_json(tmp_path / "moe" / "config.json")["tie_word_embeddings"] is False
+    assert "lm_head.weight" in CheckpointReader(tmp_path / "moe").tensors
+    assert max_logit_diff(src, tmp_path / "moe") <= EXACT
+
+
+@pytest.mark.parametrize("fmt,shared", [("mixtral", 0), ("qwen2_moe", 1)])
+def test_round_trip_unpermute_is_bit_exact(tmp_path, fmt, shared):
+    src = build_dense(tmp_path / "dense", dtype=torch.bfloat16)
+    report = convert(src, tmp_path / "moe", experts=3, top_k=2, shared=shared, format=fmt, method="gate-cluster")
+    cfg = build_config(experts=3, top_k=2, shared=shared, format=fmt)
+    dense, moe = CheckpointReader(src), CheckpointReader(tmp_path / "moe")
+    width = 96 // (3 + shared)
+    for layer in report["layers"]:
+        i = layer["layer"]
+        part = Partition(torch.tensor(layer["perm"]), layer["shared_neurons"], 3, width)
+        tensors = {n: moe.get(n) for n in moe.tensors if n.startswith(f"model.layers.{i}.")}
+        assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+        g, u, d = unpermute_ffn(tensors, part, fmt, i, cfg)
+        p = f"model.layers.{i}.mlp."
+        assert torch.equal(g, dense.get(p + "gate_proj.weight"))
+        assert torch.equal(u, dense.get(p + "up_proj.weight"))
+        assert torch.equal(d, dense.get(p + "down_proj.weight"))
+
+
+def test_multi_shard_input_and_output(tmp_path, tokenizer_dir):
+    src = build_dense(tmp_path / "dense", tokenizer_dir, max_shard_size="60KB")
+    assert (src / "model.safetensors.index.json").is_file()
+    assert len(list(src.glob("model-*.safetensors"))) > 2
+    convert(src, tmp_path / "moe", experts=4, top_k=4, max_shard_size="50KB")
+    out = tmp_path / "moe"
+    shards = sorted(out.glob("model-*.safetensors"))
+    n = len(shards)
+    assert n > 2 and shards[0].name == f"model-00001-of-{n:05d}.safetensors"
+    index = read_json(out / "model.safetensors.index.json")
+    assert set(index["weight_map"].values()) == {s.name for s in shards}
+    for s in shards:  # every shard within the cap, unless it holds a single larger tensor
+        with safe_open(str(s), "pt") as f:
+            keys = list(f.keys())
+        assert s.stat().st_size <= 50_000 + 4096 or len(keys) == 1
+    assert (out / "tokenizer.json").is_file()
+    assert max_logit_diff(src, out) <= EXACT
+
+
+def test_same_seed_same_bytes_different_seed_different_partition(tmp_path):
+    src = build_dense(tmp_path / "dense")
+    for name, seed in (("a", 3), ("b", 3), ("c", 4)):
+        convert(src, tmp_path / name, experts=4, top_k=2, method="random", seed=seed)
+    a, b, c = (tmp_path / n / "model.safetensors" for n in "abc")
+    assert a.read_bytes() == b.read_bytes()
+    assert a.read_bytes() != c.read_bytes()
+
+
+def test_provenance_files(tmp_path, tokenizer_dir):
+    src = build_dense(tmp_path / "dense", tokenizer_dir)
+    convert(src, tmp_path / "moe", experts=4, top_k=2, shared=0)
+    out = tmp_path / "moe"
+    toml = (out / "moeify.toml").read_text()
+    assert 'method = "gate-cluster"' in toml and "experts = 4" in toml
+    report = read_json(out / "report.json")
+    assert len(report["layers"]) == 3
+    layer = report["layers"][0]
+    assert layer["expert_sizes"] == [24] * 4 and len(layer["perm_sha256"]) == 16
+    assert sorted(layer["perm"]) == list(range(96))
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.decode(tok("hello world")["input_ids"]) == "hello world"
+
+
+def test_sparse_model_loads_and_runs_with_expected_config(tmp_path):
+    src = build_dense(tmp_path / "dense", dtype=torch.bfloat16)
+    convert(src, tmp_path / "moe", experts=4, top_k=2, gate_tolerance=1e-3)
+    cfg = read_json(tmp_path / "moe" / "config.json")
+    assert cfg["model_type"] == "mixtral" and cfg["num_local_experts"] == 4 and cfg["num_experts_per_tok"] == 2
+    assert cfg["intermediate_size"] == 24 and cfg["dtype"] == "bfloat16"
+    model, info = load(tmp_path / "moe", dtype=torch.bfloat16)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    out = model(torch.tensor([[1, 2, 3, 4]])).logits
+    assert torch.isfinite(out).all()
