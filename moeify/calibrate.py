@@ -152,11 +152,18 @@ class NeuronStats:
     profile: torch.Tensor  # (d_ff, n_sample) |activation| on the same sample (co-activation signal)
 
     def to_dict(self, layer_idx: int) -> dict[str, torch.Tensor]:
-        return {f"{layer_idx}.{k}": v.contiguous() for k, v in self.__dict__.items()}
+        """Compact on disk: patterns as uint8, profiles as float16 (neuron_stats rounds them so already)."""
+        return {f"{layer_idx}.rate": self.rate.contiguous(), f"{layer_idx}.mean_abs": self.mean_abs.contiguous(),
+                f"{layer_idx}.pattern": self.pattern.to(torch.uint8).contiguous(),
+                f"{layer_idx}.profile": self.profile.half().contiguous()}
 
     @classmethod
     def from_dict(cls, d: dict[str, torch.Tensor], layer_idx: int) -> "NeuronStats":
-        return cls(**{k: d[f"{layer_idx}.{k}"] for k in ("rate", "mean_abs", "pattern", "profile")})
+        try:
+            return cls(**{k: d[f"{layer_idx}.{k}"].float() for k in ("rate", "mean_abs", "pattern", "profile")})
+        except KeyError:
+            raise MoeifyError(f"--stats has no statistics for layer {layer_idx}",
+                              "the statistics come from a different model; recompute them with --calib") from None
 
 
 def neuron_stats(act: torch.Tensor, active_frac: float = 0.1, n_sample: int = 2048, seed: int = 0) -> NeuronStats:
@@ -169,4 +176,85 @@ def neuron_stats(act: torch.Tensor, active_frac: float = 0.1, n_sample: int = 20
     gen = torch.Generator().manual_seed(seed)
     sample = torch.randperm(n, generator=gen)[: min(n, n_sample)].sort().values.to(act.device)
     return NeuronStats(rate=active.float().mean(0).cpu(), mean_abs=mag.mean(0).cpu(),
-                       pattern=active[sample].T.float().cpu(), profile=mag[sample].T.cpu())
+                       pattern=active[sample].T.float().cpu(), profile=mag[sample].T.half().float().cpu())
+
+
+# ------------------------------------------------------------------------------------ the calibration pass
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise MoeifyError("--device cuda was given but no CUDA device is available", "use --device cpu or auto")
+    return device
+
+
+def calibrate_and_carve(plan, tmp: Path, progress=None) -> tuple[dict, dict]:
+    """Run the calibration tokens through the model layer by layer and carve every layer from them.
+
+    Per layer: build the real decoder layer, run attention on all hidden states, compute the FFN input x,
+    carve (partition / router / refit) from x, and pass the dense (or, with calib_feed="moe", the carved)
+    FFN output on. Refit down_proj matrices are spilled to tmp/.carve/{layer}.safetensors. Returns
+    ({layer: CarvedLayer}, info) where info names the dense layers chosen by --dense-layers auto:M.
+    """
+    from safetensors.torch import save_file
+
+    from .carve import carve_calibrated
+    from .convert import SPILL_DIR
+
+    cfg, src, reader = plan.cfg, plan.src, plan.reader
+    device = resolve_device(cfg.device)
+    seq_len = min(cfg.calib_seq_len, int(src.raw.get("max_position_embeddings") or cfg.calib_seq_len))
+    tokens = calibration_tokens(src.path, list(cfg.calib), cfg.calib_tokens, seq_len)
+    stats_in = _load_stats(cfg.stats) if cfg.stats else None
+    model = LayerwiseModel(src, reader, tokens, device=device)
+    (tmp / SPILL_DIR).mkdir(exist_ok=True)
+    stats_out: dict[str, torch.Tensor] = {}
+    carved = {}
+    for i in range(src.n_layers):
+        layer = model.load_layer(i)
+        h_mid, x = model.attention(layer)
+        x = x.reshape(-1, x.shape[-1])
+        mlp = layer.mlp
+        gate, up, down = mlp.gate_proj.weight.data, mlp.up_proj.weight.data, mlp.down_proj.weight.data
+        stats = NeuronStats.from_dict(stats_in, i) if stats_in is not None else None
+        with torch.no_grad():
+            if stats is None and cfg.method in ("activation", "coactivation"):
+                stats = neuron_stats(ffn_activations(x, gate, up), seed=cfg.seed)
+            if stats is not None:
+                stats_out.update(stats.to_dict(i))
+            carved_layer, carved_out = carve_calibrated(x, gate, up, down, layer.post_attention_layernorm.weight.data,
+                                                        cfg, stats)
+            if carved_layer.down is not None:
+                save_file({"down": carved_layer.down.to(plan.out_dtype).contiguous()},
+                          str(tmp / SPILL_DIR / f"{i}.safetensors"))
+                carved_layer.down = torch.empty(0)  # marker: spilled (read back when writing)
+            carved[i] = carved_layer
+            model.advance(h_mid, carved_out if cfg.calib_feed == "moe" else mlp(x))
+        del layer, h_mid, x
+        if progress:
+            progress("calibrating", i + 1, src.n_layers)
+    info = {"tokens": int(tokens.numel()), "seq_len": seq_len, "device": device, "feed": cfg.calib_feed}
+    if cfg.dense_auto:
+        sensitivity = {i: c.metrics["rel_error"] for i, c in carved.items()}
+        info["dense_layers"] = sorted(sorted(sensitivity, key=lambda i: -sensitivity[i])[: cfg.dense_auto])
+    if stats_out:
+        (tmp / "calibration").mkdir(exist_ok=True)
+        save_file(stats_out, str(tmp / "calibration" / "stats.safetensors"),
+                  metadata={"tokens": str(int(tokens.numel())), "seq_len": str(seq_len)})
+    return carved, info
+
+
+def _load_stats(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    if p.is_dir():
+        p = p / "calibration" / "stats.safetensors"
+    if not p.is_file():
+        raise MoeifyError(f"--stats {path}: no statistics file found", "pass OUT/calibration/stats.safetensors of an earlier run")
+    try:
+        return load_file(str(p))
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type
+        raise MoeifyError(f"--stats {p} is not a readable safetensors file ({exc.__class__.__name__})") from None

@@ -39,12 +39,15 @@ def convert(
     shared: Optional[int] = typer.Option(None, "--shared", help="Always-on shared width, in units of one expert "
                                          "(every expert is d_ff/(experts+shared) wide) [default: 0]."),
     method: Optional[str] = typer.Option(None, help="Neuron partition: contiguous | random | gate-cluster "
-                                         "(balanced k-means of gate_proj rows) [default: gate-cluster]."),
-    router: Optional[str] = typer.Option(None, help="Router rows: mean-gate (EMoE) | representative (CMoE) "
-                                         "[default: representative]."),
+                                         "(balanced k-means of gate_proj rows) | activation | coactivation (both "
+                                         "need --calib) [default: gate-cluster; with --calib: coactivation]."),
+    router: Optional[str] = typer.Option(None, help="Router rows: mean-gate (EMoE) | representative (CMoE) | fitted "
+                                         "(ridge fit to the experts' true output norms, needs --calib) "
+                                         "[default: representative; with --calib: fitted]."),
     format: Optional[str] = typer.Option(None, "--format", help="Output format: mixtral | qwen2_moe | auto "
                                          "(qwen2_moe when --shared or --dense-layers need it) [default: auto]."),
-    dense_layers: Optional[str] = typer.Option(None, help="Comma-separated layers kept dense, e.g. 0,31 (qwen2_moe)."),
+    dense_layers: Optional[str] = typer.Option(None, help="Layers kept dense (qwen2_moe): a list, e.g. 0,31, or auto:M "
+                                               "for the M layers most hurt by carving on the calibration data."),
     gate_tolerance: Optional[float] = typer.Option(None, help="Max relative error of each unit gate vs 1/k; sets the "
                                                    "router scale (smaller = closer to exact, more float ties) [default: 1e-3]."),
     seed: Optional[int] = typer.Option(None, help="Seed for random/k-means partitions [default: 0]."),
@@ -53,6 +56,18 @@ def convert(
     max_shard_size: Optional[str] = typer.Option(None, help="Max bytes per output shard, e.g. 5GB, 500MB [default: 5GB]."),
     untie_embeddings: Optional[bool] = typer.Option(None, "--untie-embeddings/--keep-tied", help="Write an explicit "
                                                     "lm_head copy for tied-embedding sources [default: keep tied]."),
+    calib: Optional[list[Path]] = typer.Option(None, "--calib", help="Calibration text (.txt, or .jsonl with a 'text' "
+                                               "field); repeat for several files. Enables calibrated carving."),
+    calib_tokens: Optional[int] = typer.Option(None, help="Calibration tokens [default: 65536]."),
+    calib_seq_len: Optional[int] = typer.Option(None, help="Calibration window length [default: 512, capped at "
+                                                "the model's max_position_embeddings]."),
+    calib_feed: Optional[str] = typer.Option(None, help="Next layer's calibration input: dense (the dense layer's "
+                                             "output) | moe (the carved layer's output) [default: dense]."),
+    compensate: Optional[bool] = typer.Option(None, "--compensate/--no-compensate", help="Refit down_proj by ridge "
+                                              "least squares under the actual routing [default: on with --calib]."),
+    stats: Optional[Path] = typer.Option(None, help="Reuse neuron statistics (OUT/calibration/stats.safetensors of an "
+                                         "earlier calibrated run) instead of recomputing them."),
+    device: Optional[str] = typer.Option(None, help="Calibration device: auto | cpu | cuda [default: auto]."),
     preset: Optional[Path] = typer.Option(None, help="TOML preset (e.g. configs/e8k2.toml); flags override it."),
     overwrite: bool = typer.Option(False, help="Replace OUT (and any leftover OUT.moeify-partial) if it exists."),
     dry_run: bool = typer.Option(False, help="Print the plan (sizes, parameters, FLOPs) and write nothing."),
@@ -69,16 +84,23 @@ def convert(
         cfg = build_config(preset, experts=experts, top_k=top_k, shared=shared, method=method, router=router,
                            format=format, dense_layers=dense_layers, gate_tolerance=gate_tolerance, seed=seed,
                            kmeans_iters=kmeans_iters, dtype=dtype, max_shard_size=max_shard_size,
-                           untie_embeddings=untie_embeddings)
+                           untie_embeddings=untie_embeddings, calib=calib, calib_tokens=calib_tokens,
+                           calib_seq_len=calib_seq_len, calib_feed=calib_feed, compensate=compensate,
+                           stats=str(stats) if stats else None, device=device)
         plan = plan_conversion(src, cfg)
         print_plan(out_console, plan, out)
         if dry_run:
             out_console.print("[dim]--dry-run: nothing written[/]")
             return
         with _progress() as bar:
-            task = bar.add_task("carving layers", total=plan.src.n_layers)
-            report = run_conversion(plan, out, overwrite=overwrite,
-                                    progress=lambda stage, done, total: bar.update(task, completed=done))
+            tasks: dict[str, int] = {}
+
+            def on_progress(stage: str, done: int, total: int) -> None:
+                if stage not in tasks:
+                    tasks[stage] = bar.add_task(stage, total=total)
+                bar.update(tasks[stage], completed=done)
+
+            report = run_conversion(plan, out, overwrite=overwrite, progress=on_progress)
         print_result(out_console, report, out)
     except MoeifyError as exc:
         _fail(exc)

@@ -5,13 +5,18 @@ from __future__ import annotations
 import dataclasses
 import re
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import MoeifyError
 
-METHODS = ("contiguous", "random", "gate-cluster")
-ROUTERS = ("mean-gate", "representative")
+METHODS = ("contiguous", "random", "gate-cluster", "activation", "coactivation")
+ROUTERS = ("mean-gate", "representative", "fitted")
+CALIB_METHODS = ("activation", "coactivation")  # need calibration data
+# Chosen by scripts/bench_quality.py (BENCHMARKS.md): the defaults when --calib is given without --method/--router.
+CALIBRATED_DEFAULTS = {"method": "coactivation", "router": "fitted", "compensate": True}
+FEEDS = ("dense", "moe")
+DEVICES = ("auto", "cpu", "cuda")
 FORMATS = ("auto", "mixtral", "qwen2_moe")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -31,15 +36,29 @@ class ConvertConfig:
     dtype: str = "auto"  # output dtype; auto keeps the source dtype
     max_shard_bytes: int = 5_000_000_000
     untie_embeddings: bool = False  # write an explicit lm_head copy for tied sources
+    dense_auto: int = 0  # keep this many most-sensitive layers dense (measured on calibration data)
+    # calibration
+    calib: tuple[str, ...] = ()  # .txt / .jsonl files
+    calib_tokens: int = 65536
+    calib_seq_len: int = 512
+    calib_feed: str = "dense"  # next layer's calibration input: dense layer output or the carved layer's output
+    compensate: bool = False  # ridge refit of down_proj under the actual routing
+    stats: str = ""  # reuse neuron statistics saved by an earlier calibrated conversion
+    device: str = "auto"
+
+    @property
+    def needs_calibration(self) -> bool:
+        return (self.method in CALIB_METHODS or self.router == "fitted" or self.compensate or self.dense_auto > 0)
 
     def resolved_format(self) -> str:
         if self.format != "auto":
             return self.format
-        return "qwen2_moe" if (self.shared > 0 or self.dense_layers) else "mixtral"
+        return "qwen2_moe" if (self.shared > 0 or self.dense_layers or self.dense_auto) else "mixtral"
 
     def validate(self) -> None:
         """Checks that need no checkpoint. Checkpoint-dependent checks live in convert.plan_conversion."""
-        for name in ("experts", "top_k", "shared", "seed", "kmeans_iters", "max_shard_bytes"):
+        for name in ("experts", "top_k", "shared", "seed", "kmeans_iters", "max_shard_bytes", "calib_tokens",
+                     "calib_seq_len", "dense_auto"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise MoeifyError(f"--{_flag(name)} must be an integer, got {value!r}")
@@ -62,12 +81,22 @@ class ConvertConfig:
         _check_choice("router", self.router, ROUTERS)
         _check_choice("format", self.format, FORMATS)
         _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("calib_feed", self.calib_feed, FEEDS)
+        _check_choice("device", self.device, DEVICES)
+        if self.needs_calibration and not self.calib:
+            what = ("--method " + self.method if self.method in CALIB_METHODS else "--router fitted"
+                    if self.router == "fitted" else "--compensate" if self.compensate else "--dense-layers auto:M")
+            raise MoeifyError(f"{what} needs calibration data", "pass --calib FILE (.txt or .jsonl)")
+        if self.calib_tokens < 1 or self.calib_seq_len < 2:
+            raise MoeifyError("--calib-tokens must be ≥ 1 and --calib-seq-len ≥ 2")
+        if self.dense_auto < 0:
+            raise MoeifyError(f"--dense-layers auto:M needs M ≥ 0, got {self.dense_auto}")
         if any((not isinstance(i, int)) or i < 0 for i in self.dense_layers):
             raise MoeifyError(f"--dense-layers must be non-negative layer indices, got {list(self.dense_layers)}")
         fmt = self.resolved_format()
         if fmt == "mixtral" and self.shared > 0:
             raise MoeifyError("--format mixtral cannot hold shared experts", "use --format qwen2_moe (or auto)")
-        if fmt == "mixtral" and self.dense_layers:
+        if fmt == "mixtral" and (self.dense_layers or self.dense_auto):
             raise MoeifyError("--format mixtral cannot keep layers dense", "use --format qwen2_moe (or auto)")
 
 
@@ -123,6 +152,15 @@ def build_config(preset: str | Path | None = None, **flags) -> ConvertConfig:
     """Merge a preset with flags (flags that are None fall back to the preset, then to the defaults)."""
     values = load_preset(preset) if preset else {}
     values.update({k: v for k, v in flags.items() if v is not None})
+    if values.get("calib"):
+        values["calib"] = tuple(str(f) for f in values["calib"])
+        for key, value in CALIBRATED_DEFAULTS.items():
+            values.setdefault(key, value)
+    if isinstance(values.get("dense_layers"), str) and values["dense_layers"].startswith("auto:"):
+        try:
+            values["dense_auto"] = int(values.pop("dense_layers")[5:])
+        except ValueError:
+            raise MoeifyError("--dense-layers auto:M needs an integer M, e.g. auto:2") from None
     if "max_shard_size" in values:
         values["max_shard_bytes"] = parse_size(values.pop("max_shard_size"))
     if "dense_layers" in values:
@@ -154,4 +192,4 @@ def _toml_value(v) -> str:
     return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-__all__ = ["ConvertConfig", "build_config", "config_to_toml", "load_preset", "parse_size", "parse_layers", "field"]
+__all__ = ["ConvertConfig", "build_config", "config_to_toml", "load_preset", "parse_size", "parse_layers"]

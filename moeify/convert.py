@@ -5,7 +5,9 @@ Only this module touches both the reader and the writer.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import math
 import json
 import shutil
 import time
@@ -14,16 +16,17 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors.torch import load_file
 
 from . import __version__
 from .budget import Budget, carve_budget
 from .checkpoint import DTYPE_NAMES, CheckpointReader, ShardLayout, ShardWriter, TensorInfo, commit_output, prepare_output
 from .config import ConvertConfig, config_to_toml
 from .errors import MoeifyError
+from .carve import CarvedLayer, carve_weight_only
 from .families import (TOKENIZER_FILES, SourceModel, attention_extras, check_source_tensors, ffn_tensor_names,
                        load_source, target_config)
-from .partition import Partition, partition_neurons, valid_expert_counts
-from .router import build_router, unit_gate_scale
+from .partition import Partition, valid_expert_counts
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
@@ -72,19 +75,32 @@ def plan_conversion(src_path: str | Path, cfg: ConvertConfig) -> ConversionPlan:
         raise MoeifyError("--dense-layers lists every layer: nothing would be converted")
 
     out_dtype = DTYPE_NAMES[cfg.dtype] if cfg.dtype != "auto" else reader.tensors["model.embed_tokens.weight"].dtype
+    return _derive_plan(src, reader, cfg, fmt, width, out_dtype)
+
+
+def _derive_plan(src: SourceModel, reader: CheckpointReader, cfg: ConvertConfig, fmt: str, width: int,
+                 out_dtype: torch.dtype) -> ConversionPlan:
+    """Everything that follows from the settings: output tensors, shard layout, config.json, budget."""
     tied_out = src.tied and not cfg.untie_embeddings
+    n_dense = len(cfg.dense_layers) or cfg.dense_auto
     tensors = _output_tensors(src, reader, fmt, cfg, width, out_dtype, tied_out)
     layout = ShardLayout.plan(tensors, cfg.max_shard_bytes)
     config_json = target_config(src, fmt, experts=cfg.experts, top_k=cfg.top_k, expert_width=width,
                                 shared_width=cfg.shared * width, dense_layers=cfg.dense_layers, dtype=out_dtype,
                                 tied=tied_out)
-    ffn_names = {n for n in src.expected_tensors() if ".mlp." in n}
-    other = sum(t.nbytes // t.dtype.itemsize for n, t in reader.tensors.items() if n in src.expected_tensors() and n not in ffn_names)
+    expected = src.expected_tensors()
+    other = sum(math.prod(shape) for n, shape in expected.items() if ".mlp." not in n)
     budget = carve_budget(hidden=src.hidden, d_ff=src.d_ff, n_layers=src.n_layers, other_params=other,
                           experts=cfg.experts, top_k=cfg.top_k, expert_width=width, shared_width=cfg.shared * width,
-                          dense_layers=len(cfg.dense_layers))
+                          dense_layers=n_dense)
     return ConversionPlan(src, cfg, fmt, out_dtype, width, cfg.shared * width, tied_out, tensors, layout, config_json,
                           budget, reader)
+
+
+def with_dense_layers(plan: ConversionPlan, layers: tuple[int, ...]) -> ConversionPlan:
+    """The same plan with the FFNs of `layers` kept dense (used by --dense-layers auto:M after calibration)."""
+    cfg = dataclasses.replace(plan.cfg, dense_layers=tuple(sorted(layers)), dense_auto=0)
+    return _derive_plan(plan.src, plan.reader, cfg, plan.fmt, plan.expert_width, plan.out_dtype)
 
 
 def _output_tensors(src: SourceModel, reader: CheckpointReader, fmt: str, cfg: ConvertConfig, width: int,
@@ -119,18 +135,9 @@ def _ffn_shape(name: str, src: SourceModel, cfg: ConvertConfig, width: int, dens
 # ------------------------------------------------------------------------------------------ carving a layer
 
 
-def carve_ffn(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, norm_weight: torch.Tensor,
-              cfg: ConvertConfig) -> tuple[Partition, torch.Tensor, float]:
-    """Partition one FFN and build its router. Returns (partition, router rows scaled for unit gates, scale)."""
-    part = partition_neurons(cfg.method, gate, up, down, n_experts=cfg.experts, n_shared=cfg.shared * (gate.shape[0] // (cfg.experts + cfg.shared)),
-                             seed=cfg.seed, kmeans_iters=cfg.kmeans_iters)
-    router = build_router(cfg.router, gate, part)
-    scale = unit_gate_scale(router, norm_weight, cfg.gate_tolerance)
-    return part, router * scale, scale
-
-
 def ffn_output_tensors(fmt: str, layer_idx: int, part: Partition, router: torch.Tensor, gate: torch.Tensor,
                        up: torch.Tensor, down: torch.Tensor, cfg: ConvertConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """router: (n_experts, d_model) already scaled for unit gates; down: dense or refit (d_model, d_ff)."""
     """The target tensors of one carved FFN. Selected experts get weight ~1/k, so down_proj is multiplied by k;
     the Qwen2-MoE shared expert gets sigmoid(0) = 1/2, so its down_proj is multiplied by 2."""
     k = cfg.top_k
@@ -159,60 +166,83 @@ def perm_hash(perm: torch.Tensor) -> str:
 
 def run_conversion(plan: ConversionPlan, out: str | Path, *, overwrite: bool = False,
                    progress: Progress | None = None) -> dict:
-    """Carve every layer and write OUT atomically. Returns the report (also written to OUT/report.json)."""
+    """Carve every layer and write OUT atomically. Returns the report (also written to OUT/report.json).
+
+    With calibration, a first pass runs the calibration tokens through the model layer by layer and carves
+    each layer (refit down_proj spilled to OUT's temporary directory); the second pass streams the output.
+    """
     out = Path(out)
-    src, cfg, dtype = plan.src, plan.cfg, plan.out_dtype
+    src = plan.src
     if _inside(out, src.path):
         raise MoeifyError(f"output {out} is inside the source checkpoint {src.path}", "write the output elsewhere")
     tmp = prepare_output(out, overwrite)
-    writer = ShardWriter(tmp, plan.layout)
-    reader = plan.reader
     t0 = time.time()
-    layers_report = []
+    writer = None
     try:
-        writer.write("model.embed_tokens.weight", reader.get("model.embed_tokens.weight").to(dtype))
-        for i in range(src.n_layers):
-            p = f"model.layers.{i}."
-            for name in ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                         "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight"):
-                writer.write(p + name, reader.get(p + name).to(dtype))
-            for name, shape in attention_extras(plan.fmt, src, i):
-                writer.write(name, torch.zeros(shape, dtype=dtype))
-            gate, up, down = (reader.get(p + f"mlp.{n}_proj.weight") for n in ("gate", "up", "down"))
-            if i in cfg.dense_layers:
-                for name, t in zip(ffn_tensor_names(plan.fmt, i, cfg.experts, True, cfg.shared > 0), (gate, up, down)):
-                    writer.write(name, t.to(dtype))
-                layers_report.append({"layer": i, "dense": True})
-            else:
-                norm = reader.get(p + "post_attention_layernorm.weight")
-                part, router, scale = carve_ffn(gate, up, down, norm, cfg)
-                for name, t in ffn_output_tensors(plan.fmt, i, part, router, gate, up, down, cfg, dtype).items():
-                    writer.write(name, t)
-                layers_report.append({
-                    "layer": i, "dense": False, "expert_sizes": [part.expert_width] * part.n_experts,
-                    "shared_neurons": part.n_shared, "router_scale": scale, "perm_sha256": perm_hash(part.perm),
-                    "perm": part.perm.tolist(),
-                })
-            del gate, up, down
-            if progress:
-                progress("layers", i + 1, src.n_layers)
-        writer.write("model.norm.weight", reader.get("model.norm.weight").to(dtype))
-        if not plan.tied_out:
-            name = "lm_head.weight" if "lm_head.weight" in reader.tensors and not src.tied else "model.embed_tokens.weight"
-            writer.write("lm_head.weight", reader.get(name).to(dtype))
+        carved: dict[int, CarvedLayer] = {}
+        calib_info = {}
+        if plan.cfg.needs_calibration:
+            from .calibrate import calibrate_and_carve
+
+            carved, calib_info = calibrate_and_carve(plan, tmp, progress)
+            if plan.cfg.dense_auto:
+                plan = with_dense_layers(plan, calib_info["dense_layers"])
+        writer = ShardWriter(tmp, plan.layout)
+        layers_report = _write_tensors(plan, writer, carved, tmp, progress)
         writer.finish()
-        reader.close()
-        report = _write_metadata(plan, tmp, layers_report, time.time() - t0)
+        plan.reader.close()
+        shutil.rmtree(tmp / SPILL_DIR, ignore_errors=True)
+        report = _write_metadata(plan, tmp, layers_report, time.time() - t0, calib_info)
         verify_layout(tmp, plan)
         commit_output(tmp, out)
     except BaseException:
-        writer.abort()
+        if writer is not None:
+            writer.abort()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return report
 
 
-def _write_metadata(plan: ConversionPlan, tmp: Path, layers_report: list[dict], seconds: float) -> dict:
+SPILL_DIR = ".carve"  # inside the temporary output dir: refit down_proj per layer, removed before commit
+
+
+def _write_tensors(plan: ConversionPlan, writer: ShardWriter, carved: dict[int, CarvedLayer], tmp: Path,
+                   progress: Progress | None) -> list[dict]:
+    src, cfg, dtype, reader = plan.src, plan.cfg, plan.out_dtype, plan.reader
+    layers_report = []
+    writer.write("model.embed_tokens.weight", reader.get("model.embed_tokens.weight").to(dtype))
+    for i in range(src.n_layers):
+        p = f"model.layers.{i}."
+        for name in ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                     "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight"):
+            writer.write(p + name, reader.get(p + name).to(dtype))
+        for name, shape in attention_extras(plan.fmt, src, i):
+            writer.write(name, torch.zeros(shape, dtype=dtype))
+        gate, up, down = (reader.get(p + f"mlp.{n}_proj.weight") for n in ("gate", "up", "down"))
+        if i in cfg.dense_layers:
+            for name, t in zip(ffn_tensor_names(plan.fmt, i, cfg.experts, True, cfg.shared > 0), (gate, up, down)):
+                writer.write(name, t.to(dtype))
+            layers_report.append({"layer": i, "dense": True, **(carved[i].metrics if i in carved else {})})
+        else:
+            layer = carved.get(i) or carve_weight_only(gate, up, down, reader.get(p + "post_attention_layernorm.weight"), cfg)
+            if layer.down is not None:
+                down = load_file(str(tmp / SPILL_DIR / f"{i}.safetensors"))["down"]
+            tensors = ffn_output_tensors(plan.fmt, i, layer.part, layer.router * layer.scale, gate, up, down, cfg, dtype)
+            for name, t in tensors.items():
+                writer.write(name, t)
+            layers_report.append({"layer": i, "dense": False, **layer.report()})
+        del gate, up, down
+        if progress:
+            progress("writing", i + 1, src.n_layers)
+    writer.write("model.norm.weight", reader.get("model.norm.weight").to(dtype))
+    if not plan.tied_out:
+        name = "lm_head.weight" if "lm_head.weight" in reader.tensors and not src.tied else "model.embed_tokens.weight"
+        writer.write("lm_head.weight", reader.get(name).to(dtype))
+    return layers_report
+
+
+def _write_metadata(plan: ConversionPlan, tmp: Path, layers_report: list[dict], seconds: float,
+                    calib_info: dict) -> dict:
     (tmp / "config.json").write_text(json.dumps(plan.config_json, indent=2, sort_keys=True) + "\n")
     for name in TOKENIZER_FILES:
         f = plan.src.path / name
@@ -225,7 +255,7 @@ def _write_metadata(plan: ConversionPlan, tmp: Path, layers_report: list[dict], 
     b = plan.budget
     report = {**provenance, "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in plan.cfg.__dict__.items()},
               "total_params": b.total_params, "active_params": b.active_params, "ffn_flops_ratio": b.flops_ratio,
-              "seconds": round(seconds, 3), "layers": layers_report}
+              "seconds": round(seconds, 3), "calibration": calib_info, "layers": layers_report}
     (tmp / "report.json").write_text(json.dumps(report) + "\n")
     return report
 

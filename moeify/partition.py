@@ -182,3 +182,29 @@ def partition_neurons(method: str, gate: torch.Tensor, up: torch.Tensor, down: t
     else:
         raise ValueError(f"unknown partition method {method!r}")
     return make_partition(labels, routed, shared, n_experts)
+
+
+def partition_from_stats(method: str, stats, *, n_experts: int, n_shared: int, seed: int,
+                         kmeans_iters: int = 8) -> Partition:
+    """Calibrated partition of one FFN from its NeuronStats.
+
+    Shared neurons are the most often active ones (activation rate, as CMoE; mean |activation| breaks ties).
+    `activation`: balanced k-means of the routed neurons' binary activation patterns over calibration tokens.
+    `coactivation`: balanced k-means of their |activation| profiles, so the cosine between two neurons is their
+    normalised co-activation (MoEfication-style grouping of neurons that fire together).
+    """
+    d_ff = stats.rate.numel()
+    # rate first, mean |activation| as a tie-breaker (scaled below the smallest rate step)
+    score = stats.rate.double() + stats.mean_abs.double() / (stats.mean_abs.double().max() + 1e-30) * 1e-6
+    shared, routed = split_shared(score, n_shared)
+    feats = {"activation": stats.pattern, "coactivation": stats.profile}.get(method)
+    if feats is None:
+        raise ValueError(f"unknown calibrated partition method {method!r}")
+    feats = feats[routed].float()
+    # neurons that never fired in the sample would have a zero feature vector: give them a tiny unique signal
+    dead = feats.norm(dim=1) == 0
+    if dead.any():
+        feats[dead] = 1e-6
+    labels = balanced_kmeans(feats, n_experts, kmeans_iters, seed)
+    assert labels.numel() == d_ff - n_shared
+    return make_partition(labels, routed, shared, n_experts)

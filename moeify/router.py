@@ -57,3 +57,45 @@ def unit_gate_scale(router: torch.Tensor, norm_weight: torch.Tensor, tolerance: 
     d_model = router.shape[1]
     bound = 2.0 * (router.float() * norm_weight.float()).norm(dim=1).max().item() * math.sqrt(d_model)
     return tolerance / bound if bound > 0 else 1.0
+
+
+def expert_output_norms(act: torch.Tensor, down: torch.Tensor, part: Partition) -> torch.Tensor:
+    """(n_tokens, n_experts) L2 norm of each expert's output (its neurons' down_proj contribution)."""
+    return torch.stack([(act[:, idx] @ down[:, idx].T).norm(dim=1) for idx in
+                        (part.expert_neurons(e) for e in range(part.n_experts))], dim=1)
+
+
+def topk_agreement(scores: torch.Tensor, oracle: torch.Tensor, k: int) -> float:
+    """Mean share of each token's top-k (by scores) that is in its top-k by the oracle (true output norms)."""
+    if k >= scores.shape[1]:
+        return 1.0
+    picked = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, scores.topk(k, dim=1).indices, True)
+    best = torch.zeros_like(oracle, dtype=torch.bool).scatter_(1, oracle.topk(k, dim=1).indices, True)
+    return (picked & best).sum().item() / (k * scores.shape[0])
+
+
+def fit_router(x: torch.Tensor, norms: torch.Tensor, k: int, holdout: float = 0.1,
+               strengths: tuple[float, ...] = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)) -> tuple[torch.Tensor, dict]:
+    """Ridge least-squares router that ranks experts by their true output norm.
+
+    x: (n, d_model) router inputs, norms: (n, n_experts) true expert output norms. The target is each token's
+    norms relative to its mean norm, centred per token (a per-token offset does not change the ranking, so it
+    need not be modelled). The ridge strength (times mean diag of X^T X) is chosen by top-k agreement with
+    the oracle on the last `holdout` share of tokens; the final fit uses all tokens. Returns ((E, d), info).
+    """
+    x = x.double()
+    target = norms.double() / norms.double().mean(1, keepdim=True).clamp_min(1e-12)
+    target = target - target.mean(1, keepdim=True)
+    n_fit = x.shape[0] - max(1, int(holdout * x.shape[0]))
+
+    def solve(xs, ts, lam):
+        g = xs.T @ xs
+        g.diagonal().add_(lam * g.diagonal().mean())
+        return torch.linalg.solve(g, xs.T @ ts).T  # (E, d)
+
+    scores = {}
+    for lam in strengths:
+        w = solve(x[:n_fit], target[:n_fit], lam)
+        scores[lam] = topk_agreement(x[n_fit:] @ w.T, norms[n_fit:], k)
+    best = max(strengths, key=lambda lam: (scores[lam], lam))
+    return solve(x, target, best).float(), {"ridge": best, "holdout_agreement": scores[best]}

@@ -41,7 +41,7 @@ def test_neuron_stats_hand_computed():
     assert torch.allclose(s.rate, torch.tensor([2 / 3, 1.0, 1 / 3, 0.0]))
     assert torch.allclose(s.mean_abs, torch.tensor([4.1 / 3, 4.5 / 3, 4.5 / 3, 1.2 / 3]))
     assert s.pattern.shape == (4, 3) and s.pattern.sum().item() == 6
-    assert torch.allclose(s.profile.sum(1), s.mean_abs * 3)
+    assert torch.allclose(s.profile.sum(1), s.mean_abs * 3, rtol=1e-3)  # profiles are stored as float16
 
 
 def test_ffn_activations_match_llama_mlp():

@@ -1,0 +1,91 @@
+"""Carving one layer: partition -> router -> (compensation), from weights alone or with calibration data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .compensate import refit_down, routing_mask
+from .partition import Partition, partition_from_stats, partition_neurons
+from .router import build_router, expert_output_norms, fit_router, topk_agreement, unit_gate_scale
+
+WEIGHT_METHODS = ("contiguous", "random", "gate-cluster")
+STATS_METHODS = ("activation", "coactivation")
+WEIGHT_ROUTERS = ("mean-gate", "representative")
+
+
+@dataclass
+class CarvedLayer:
+    part: Partition
+    router: torch.Tensor  # (n_experts, d_model) float32, before the unit-gate scale
+    scale: float  # unit-gate router scale
+    down: torch.Tensor | None = None  # refit down_proj (d_model, d_ff) in source neuron order; None = source's
+    metrics: dict = field(default_factory=dict)
+
+    def report(self) -> dict:
+        from .convert import perm_hash
+
+        return {"expert_sizes": [self.part.expert_width] * self.part.n_experts, "shared_neurons": self.part.n_shared,
+                "router_scale": self.scale, "compensated": self.down is not None,
+                "perm_sha256": perm_hash(self.part.perm), "perm": self.part.perm.tolist(), **self.metrics}
+
+
+def shared_count(d_ff: int, experts: int, shared: int) -> int:
+    return shared * (d_ff // (experts + shared))
+
+
+def carve_weight_only(gate, up, down, norm_weight, cfg) -> CarvedLayer:
+    part = partition_neurons(cfg.method, gate, up, down, n_experts=cfg.experts,
+                             n_shared=shared_count(gate.shape[0], cfg.experts, cfg.shared),
+                             seed=cfg.seed, kmeans_iters=cfg.kmeans_iters)
+    router = build_router(cfg.router, gate, part)
+    return CarvedLayer(part, router, unit_gate_scale(router, norm_weight, cfg.gate_tolerance))
+
+
+@torch.no_grad()
+def carve_calibrated(x: torch.Tensor, gate, up, down, norm_weight, cfg, stats=None) -> tuple[CarvedLayer, torch.Tensor]:
+    """Carve one FFN using its calibration inputs x (n_tokens, d_model), all float32 on one device.
+
+    Returns the carved layer and the carved FFN's output on x (n_tokens, d_model), which the next layer
+    is fed with when calibrating on carved outputs.
+    """
+    from .calibrate import ffn_activations, neuron_stats
+
+    act = ffn_activations(x, gate, up)  # (n, d_ff)
+    if stats is None and cfg.method in STATS_METHODS:
+        stats = neuron_stats(act, seed=cfg.seed)
+    n_shared = shared_count(gate.shape[0], cfg.experts, cfg.shared)
+    if cfg.method in STATS_METHODS:
+        part = partition_from_stats(cfg.method, stats, n_experts=cfg.experts, n_shared=n_shared, seed=cfg.seed,
+                                    kmeans_iters=cfg.kmeans_iters)
+    else:
+        part = partition_neurons(cfg.method, gate.cpu(), up.cpu(), down.cpu(), n_experts=cfg.experts,
+                                 n_shared=n_shared, seed=cfg.seed, kmeans_iters=cfg.kmeans_iters)
+    part = Partition(part.perm.to(x.device), part.n_shared, part.n_experts, part.expert_width)
+    norms = expert_output_norms(act, down, part)  # (n, E) the oracle's ranking signal
+    n_hold = max(1, x.shape[0] // 10)
+    metrics = {}
+    for kind in WEIGHT_ROUTERS:  # report every router's agreement with the oracle on held-back tokens
+        rows = build_router(kind, gate, part)
+        metrics[f"agreement_{kind}"] = topk_agreement(x[-n_hold:] @ rows.T, norms[-n_hold:], cfg.top_k)
+    if cfg.router == "fitted":
+        router, info = fit_router(x, norms, cfg.top_k)
+        metrics["agreement_fitted"] = info["holdout_agreement"]
+        metrics["router_ridge"] = info["ridge"]
+    else:
+        router = build_router(cfg.router, gate, part)
+    mask = routing_mask(x @ router.T, part, cfg.top_k)
+    new_down = None
+    if cfg.compensate:
+        new_down, info = refit_down(act, mask, down)
+        metrics.update(refit_ridge=info["ridge"], rel_error_before=info["holdout_rel_error_before"],
+                       rel_error_after=info["holdout_rel_error_after"])
+    used_down = down if new_down is None else new_down
+    out = (act * mask) @ used_down.T
+    dense_out = act @ down.T
+    metrics["rel_error"] = ((out - dense_out).pow(2).sum() / dense_out.pow(2).sum().clamp_min(1e-30)).item()
+    cpu_part = Partition(part.perm.cpu(), part.n_shared, part.n_experts, part.expert_width)
+    layer = CarvedLayer(cpu_part, router.cpu(), unit_gate_scale(router, norm_weight, cfg.gate_tolerance),
+                        None if new_down is None else new_down.cpu(), metrics)
+    return layer, out
