@@ -55,7 +55,9 @@ def refit_down(act: torch.Tensor, mask: torch.Tensor, down: torch.Tensor, holdou
     errors = {lam: _sq_error(ztz_h, zty_h, yty_h, solve(ztz_f, zty_f, lam)) for lam in strengths}
     best = min(strengths, key=lambda lam: (errors[lam], -lam))
     base = _sq_error(ztz_h, zty_h, yty_h, d_t)
-    new_t = solve(ztz_f + ztz_h, zty_f + zty_h, best)
     denom = max(yty_h.item(), 1e-30)
-    return new_t.T.float(), {"ridge": best, "holdout_rel_error_before": base / denom,
-                             "holdout_rel_error_after": errors[best] / denom}
+    info = {"ridge": best, "holdout_rel_error_before": base / denom, "holdout_rel_error_after": errors[best] / denom}
+    if errors[best] >= base:  # no strength helps on held-back tokens: keep the dense down_proj
+        info.update(ridge=float("inf"), holdout_rel_error_after=base / denom)
+        return down.float().clone(), info
+    return solve(ztz_f + ztz_h, zty_f + zty_h, best).T.float(), info

@@ -53,3 +53,139 @@ def test_ffn_activations_match_llama_mlp():
     with torch.no_grad():
         act = ffn_activations(x, mlp.gate_proj.weight, mlp.up_proj.weight)
         assert torch.allclose(act @ mlp.down_proj.weight.T, mlp(x), atol=1e-6)
+
+
+# ------------------------------------------------------------------------------ calibrated carving maths
+
+from conftest import CORPUS, max_logit_diff  # noqa: E402
+from moeify.calibrate import NeuronStats  # noqa: E402
+from moeify.compensate import refit_down, routing_mask  # noqa: E402
+from moeify.config import build_config  # noqa: E402
+from moeify.convert import plan_conversion, run_conversion  # noqa: E402
+from moeify.partition import Partition, partition_from_stats  # noqa: E402
+from moeify.router import fit_router, topk_agreement  # noqa: E402
+
+
+def test_partition_from_stats_shared_are_most_active_and_groups_coactive():
+    # 12 neurons; neurons 0,1 always active (shared); the rest in 5 co-active pairs over 10 sample tokens
+    pattern = torch.zeros(12, 10)
+    pattern[0:2] = 1
+    for pair in range(5):
+        pattern[2 + 2 * pair: 4 + 2 * pair, 2 * pair: 2 * pair + 2] = 1
+    stats = NeuronStats(rate=pattern.mean(1), mean_abs=pattern.mean(1), pattern=pattern, profile=pattern)
+    for method in ("activation", "coactivation"):
+        part = partition_from_stats(method, stats, n_experts=5, n_shared=2, seed=0)
+        assert part.shared_neurons.tolist() == [0, 1]
+        assert sorted(part.perm.tolist()) == list(range(12))
+        groups = sorted(tuple(part.expert_neurons(e).tolist()) for e in range(5))
+        assert groups == [(2, 3), (4, 5), (6, 7), (8, 9), (10, 11)]
+
+
+def test_fit_router_recovers_linear_norm_ranking():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2000, 16, generator=gen)
+    w = torch.randn(6, 16, generator=gen)
+    norms = (x @ w.T).exp()  # ranking = ranking of a linear function of x
+    router, info = fit_router(x, norms, k=2)
+    assert router.shape == (6, 16)
+    assert info["holdout_agreement"] > 0.9
+    assert topk_agreement(x @ router.T, norms, 2) > 0.9
+    assert topk_agreement(torch.randn(2000, 6, generator=gen), norms, 2) < 0.5  # chance is 1/3
+
+
+def test_refit_down_exact_when_all_active_and_better_when_sparse():
+    gen = torch.Generator().manual_seed(0)
+    act = torch.randn(800, 12, generator=gen)
+    down = torch.randn(5, 12, generator=gen)
+    full = torch.ones_like(act, dtype=torch.bool)
+    new, info = refit_down(act, full, down)
+    assert torch.allclose(new, down, atol=1e-5)
+    part = Partition(torch.arange(12), 0, 4, 3)
+    mask = routing_mask(torch.randn(800, 4, generator=gen), part, k=2)
+    assert mask.sum(1).eq(6).all()
+    new, info = refit_down(act, mask, down)
+    assert info["holdout_rel_error_after"] <= info["holdout_rel_error_before"]  # never worse on held-back tokens
+    # correlated neurons (rank-3 activations): the kept neurons can stand in for the dropped ones
+    low_rank = torch.randn(800, 3, generator=gen) @ torch.randn(3, 12, generator=gen)
+    _, info = refit_down(low_rank, mask, down)
+    assert info["holdout_rel_error_before"] > 0.1 and info["holdout_rel_error_after"] < 1e-3
+    # matches a direct least-squares solution at small ridge (full-rank, correlated activations)
+    act2 = low_rank + 0.1 * torch.randn(800, 12, generator=gen)
+    z, y = act2 * mask, act2 @ down.T
+    direct = torch.linalg.lstsq(z.double(), y.double()).solution.T.float()
+    tiny, info = refit_down(act2, mask, down, strengths=(1e-9,))
+    assert info["ridge"] == 1e-9
+    assert torch.allclose(tiny, direct, atol=1e-3)
+
+
+def test_routing_mask_shared_always_on():
+    part = Partition(torch.tensor([5, 0, 1, 2, 3, 4]), n_shared=2, n_experts=2, expert_width=2)
+    mask = routing_mask(torch.tensor([[1.0, 0.0], [0.0, 1.0]]), part, k=1)
+    # shared = perm[:2] = {5, 0}; expert 0 = {1, 2}; expert 1 = {3, 4}
+    assert mask[0].nonzero().flatten().tolist() == [0, 1, 2, 5]
+    assert mask[1].nonzero().flatten().tolist() == [0, 3, 4, 5]
+
+
+@pytest.fixture()
+def calib_model(tmp_path, tokenizer_dir):
+    return build_dense(tmp_path / "dense", tokenizer_dir, num_hidden_layers=4)
+
+
+CALIB = dict(calib=[str(CORPUS)], calib_tokens=2048, calib_seq_len=64)
+
+
+def test_calibrated_all_experts_active_is_exact(tmp_path, calib_model):
+    """Compensation (ridge refit towards the dense output) must leave the exactness guarantee intact."""
+    cfg = build_config(experts=3, top_k=3, shared=1, dense_layers="auto:1", gate_tolerance=1e-6, **CALIB)
+    assert cfg.method == "coactivation" and cfg.router == "fitted" and cfg.compensate
+    report = run_conversion(plan_conversion(calib_model, cfg), tmp_path / "moe")
+    assert sum(lay["dense"] for lay in report["layers"]) == 1
+    assert all(lay["compensated"] for lay in report["layers"] if not lay["dense"])
+    assert max_logit_diff(calib_model, tmp_path / "moe") <= 1e-4
+
+
+def test_stats_reuse_gives_identical_output(tmp_path, calib_model):
+    cfg = build_config(experts=4, top_k=2, method="activation", **CALIB)
+    run_conversion(plan_conversion(calib_model, cfg), tmp_path / "a")
+    stats = tmp_path / "a" / "calibration" / "stats.safetensors"
+    assert stats.is_file()
+    cfg2 = build_config(experts=4, top_k=2, method="activation", stats=str(stats), **CALIB)
+    run_conversion(plan_conversion(calib_model, cfg2), tmp_path / "b")
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+
+
+def test_calibration_keeps_one_layer_resident(tmp_path, calib_model, monkeypatch):
+    """Memory does not grow with the number of layers: each decoder layer is freed before the next loads."""
+    import gc
+    import weakref
+
+    alive = []
+    original = LayerwiseModel.load_layer
+
+    def tracking(self, idx):
+        gc.collect()
+        assert sum(r() is not None for r in alive) == 0, f"a previous layer is still resident when loading {idx}"
+        layer = original(self, idx)
+        alive.append(weakref.ref(layer))
+        return layer
+
+    monkeypatch.setattr(LayerwiseModel, "load_layer", tracking)
+    cfg = build_config(experts=4, top_k=2, **CALIB)
+    run_conversion(plan_conversion(calib_model, cfg), tmp_path / "moe")
+    assert len(alive) == 4
+
+
+def test_calibrated_errors(tmp_path, calib_model):
+    from moeify.errors import MoeifyError
+
+    with pytest.raises(MoeifyError, match="--router fitted needs calibration data"):
+        build_config(router="fitted")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    with pytest.raises(MoeifyError, match="empty"):
+        run_conversion(plan_conversion(calib_model, build_config(calib=[str(empty)])), tmp_path / "o1")
+    with pytest.raises(MoeifyError, match="fewer than --calib-tokens"):
+        cfg = build_config(calib=[str(CORPUS)], calib_tokens=10_000_000, calib_seq_len=64)
+        run_conversion(plan_conversion(calib_model, cfg), tmp_path / "o2")
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+    assert not list(tmp_path.glob("*.moeify-partial"))
