@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from . import __version__
@@ -37,7 +38,7 @@ class ConversionPlan:
     cfg: ConvertConfig
     fmt: str
     out_dtype: torch.dtype
-    expert_width: int
+    expert_width: int  # neurons per routed expert
     shared_width: int
     tied_out: bool  # whether the output keeps tie_word_embeddings
     tensors: list[TensorInfo]  # output tensors in write order
@@ -45,6 +46,10 @@ class ConversionPlan:
     config_json: dict
     budget: Budget
     reader: CheckpointReader = field(repr=False)
+
+    @property
+    def padded_width(self) -> int:
+        return padded_width(self.expert_width)
 
     @property
     def output_bytes(self) -> int:
@@ -78,6 +83,15 @@ def plan_conversion(src_path: str | Path, cfg: ConvertConfig) -> ConversionPlan:
     return _derive_plan(src, reader, cfg, fmt, width, out_dtype)
 
 
+EXPERT_ALIGN = 8  # transformers' grouped_mm experts kernel needs 16-byte rows: 8 bf16/fp16 (4 fp32) elements
+
+
+def padded_width(width: int) -> int:
+    """Routed experts are padded with zero neurons to a multiple of EXPERT_ALIGN. A zero neuron adds
+    silu(0) * 0 = 0 to the output, so padding is exact; it only costs the padded rows."""
+    return -(-width // EXPERT_ALIGN) * EXPERT_ALIGN
+
+
 def _derive_plan(src: SourceModel, reader: CheckpointReader, cfg: ConvertConfig, fmt: str, width: int,
                  out_dtype: torch.dtype) -> ConversionPlan:
     """Everything that follows from the settings: output tensors, shard layout, config.json, budget."""
@@ -85,7 +99,7 @@ def _derive_plan(src: SourceModel, reader: CheckpointReader, cfg: ConvertConfig,
     n_dense = len(cfg.dense_layers) or cfg.dense_auto
     tensors = _output_tensors(src, reader, fmt, cfg, width, out_dtype, tied_out)
     layout = ShardLayout.plan(tensors, cfg.max_shard_bytes)
-    config_json = target_config(src, fmt, experts=cfg.experts, top_k=cfg.top_k, expert_width=width,
+    config_json = target_config(src, fmt, experts=cfg.experts, top_k=cfg.top_k, expert_width=padded_width(width),
                                 shared_width=cfg.shared * width, dense_layers=cfg.dense_layers, dtype=out_dtype,
                                 tied=tied_out)
     expected = src.expected_tensors()
@@ -128,7 +142,7 @@ def _ffn_shape(name: str, src: SourceModel, cfg: ConvertConfig, width: int, dens
         return (1, h)
     if name.endswith(".gate.weight"):
         return (cfg.experts, h)
-    w = src.d_ff if dense else (cfg.shared * width if ".shared_expert." in name else width)
+    w = src.d_ff if dense else (cfg.shared * width if ".shared_expert." in name else padded_width(width))
     return (h, w) if name.endswith(("w2.weight", "down_proj.weight")) else (w, h)
 
 
@@ -141,13 +155,14 @@ def ffn_output_tensors(fmt: str, layer_idx: int, part: Partition, router: torch.
     """The target tensors of one carved FFN. Selected experts get weight ~1/k, so down_proj is multiplied by k;
     the Qwen2-MoE shared expert gets sigmoid(0) = 1/2, so its down_proj is multiplied by 2."""
     k = cfg.top_k
+    pad = padded_width(part.expert_width) - part.expert_width
     names = iter(ffn_tensor_names(fmt, layer_idx, cfg.experts, dense=False, shared=cfg.shared > 0))
     out = {next(names): router.to(dtype)}
     for e in range(cfg.experts):
         idx = part.expert_neurons(e)
-        out[next(names)] = gate[idx].to(dtype)
-        out[next(names)] = up[idx].to(dtype)
-        out[next(names)] = (down[:, idx].float() * k).to(dtype)
+        out[next(names)] = F.pad(gate[idx].to(dtype), (0, 0, 0, pad))
+        out[next(names)] = F.pad(up[idx].to(dtype), (0, 0, 0, pad))
+        out[next(names)] = F.pad((down[:, idx].float() * k).to(dtype), (0, pad))
     if fmt == "qwen2_moe":
         idx = part.shared_neurons
         out[next(names)] = gate[idx].to(dtype)
@@ -249,7 +264,8 @@ def _write_metadata(plan: ConversionPlan, tmp: Path, layers_report: list[dict], 
         if f.is_file():
             shutil.copyfile(f, tmp / name)
     provenance = {"moeify_version": __version__, "source": str(plan.src.path), "format": plan.fmt,
-                  "expert_width": plan.expert_width, "shared_width": plan.shared_width,
+                  "expert_width": plan.expert_width, "padded_expert_width": plan.padded_width,
+                  "shared_width": plan.shared_width,
                   "output_dtype": str(plan.out_dtype).removeprefix("torch.")}
     (tmp / "moeify.toml").write_text(config_to_toml(plan.cfg, provenance))
     b = plan.budget
@@ -287,10 +303,11 @@ def unpermute_ffn(out_tensors: dict[str, torch.Tensor], part: Partition, fmt: st
     groups = [(names[3 * e: 3 * e + 3], cfg.top_k) for e in range(cfg.experts)]
     if fmt == "qwen2_moe":
         groups.insert(0, (names[3 * cfg.experts: 3 * cfg.experts + 3], 2))
-    for (g, u, d), factor in groups:
-        chunks_g.append(out_tensors[g])
-        chunks_u.append(out_tensors[u])
-        chunks_d.append((out_tensors[d].float() / factor).to(out_tensors[d].dtype))
+    for n, ((g, u, d), factor) in enumerate(groups):
+        w = part.n_shared if (fmt == "qwen2_moe" and n == 0) else part.expert_width  # drop zero padding
+        chunks_g.append(out_tensors[g][:w])
+        chunks_u.append(out_tensors[u][:w])
+        chunks_d.append((out_tensors[d][:, :w].float() / factor).to(out_tensors[d].dtype))
     inv = torch.argsort(part.perm)
     return torch.cat(chunks_g)[inv], torch.cat(chunks_u)[inv], torch.cat(chunks_d, dim=1)[:, inv]
 

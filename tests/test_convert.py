@@ -152,3 +152,26 @@ def test_sparse_model_loads_and_runs_with_expected_config(tmp_path):
     assert not info["missing_keys"] and not info["unexpected_keys"]
     out = model(torch.tensor([[1, 2, 3, 4]])).logits
     assert torch.isfinite(out).all()
+
+
+def test_unaligned_expert_width_is_padded_exactly(tmp_path):
+    """96 neurons / 16 experts = 6 per expert: padded with zero neurons to 8 so transformers' default
+    grouped_mm kernel (16-byte rows) runs; zero neurons add nothing, so logits stay exact."""
+    src = build_dense(tmp_path / "dense", dtype=torch.bfloat16)
+    report = convert(src, tmp_path / "moe", experts=16, top_k=16)
+    cfg = read_json(tmp_path / "moe" / "config.json")
+    assert cfg["intermediate_size"] == 8 and report["expert_width"] == 6 and report["padded_expert_width"] == 8
+    moe = CheckpointReader(tmp_path / "moe")
+    w1 = moe.get("model.layers.0.block_sparse_moe.experts.3.w1.weight")
+    assert w1.shape == (8, 64) and torch.equal(w1[6:], torch.zeros(2, 64, dtype=torch.bfloat16))
+    dense, sparse = load(src, dtype=torch.bfloat16)[0], load(tmp_path / "moe", dtype=torch.bfloat16)[0]
+    ids = torch.randint(0, 384, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # runs on the default experts implementation
+        assert (dense(ids).logits.float() - sparse(ids).logits.float()).abs().max() < 0.1
+    layer = report["layers"][1]
+    part = Partition(torch.tensor(layer["perm"]), 0, 16, 6)
+    tensors = {n: moe.get(n) for n in moe.tensors if n.startswith("model.layers.1.")}
+    g, u, d = unpermute_ffn(tensors, part, "mixtral", 1, build_config(experts=16, top_k=16))
+    assert torch.equal(d, CheckpointReader(src).get("model.layers.1.mlp.down_proj.weight"))
+    assert torch.equal(g, CheckpointReader(src).get("model.layers.1.mlp.gate_proj.weight"))
+    assert max_logit_diff(src, tmp_path / "moe") < 0.05  # bf16 weights upcast: k=16 scaling is exact
