@@ -1,0 +1,141 @@
+"""`moeify plan`: what an MoE built from a dense config costs, in the four regimes of the FFN-MoE scaling notes.
+
+Pure arithmetic on config.json (no weights). For N routed experts of width d_e, top-k active, a shared expert of
+S experts' width, the FFN part of each layer holds N·3·h·d_e + S·3·h·d_e + N·h (router) parameters and a token
+touches k·3·h·d_e + S·3·h·d_e + N·h of them. The regimes pick d_e:
+
+- max capacity:       d_e = d_ff              (P ≈ N·P_dense, FLOPs ≈ k·dense)
+- constant compute:   d_e = d_ff / (k + S)    (FLOPs ≈ dense)
+- inference saving:   d_e = d_ff / (N + S)    (P ≈ P_dense, FLOPs ≈ k/N·dense) — what `moeify convert` carves
+- custom:             d_e = --expert-width
+
+The numbers come from moeify.budget.carve_budget, the same function `convert --dry-run` uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .budget import Budget, carve_budget
+from .errors import MoeifyError
+from .families import SourceModel, load_source
+
+
+@dataclass(frozen=True)
+class Regime:
+    name: str
+    expert_width: int
+    shared_width: int
+    budget: Budget
+    exact: bool = True  # False when d_ff does not divide evenly and the width was rounded down
+
+
+@dataclass(frozen=True)
+class MoePlan:
+    src: SourceModel
+    experts: int
+    top_k: int
+    shared: int
+    other_params: int  # everything that is not an FFN: embeddings (+ lm_head), attention, norms
+    regimes: list[Regime]
+
+    @property
+    def dense_params(self) -> int:
+        return self.regimes[0].budget.dense_total_params
+
+    @property
+    def dense_ffn_flops(self) -> int:
+        return self.regimes[0].budget.dense_ffn_flops
+
+    def to_dict(self) -> dict:
+        s = self.src
+        return {
+            "source": str(s.path), "model_type": s.model_type, "hidden": s.hidden, "d_ff": s.d_ff,
+            "n_layers": s.n_layers, "experts": self.experts, "top_k": self.top_k, "shared": self.shared,
+            "other_params": self.other_params, "dense_params": self.dense_params, "dense_ffn_flops": self.dense_ffn_flops,
+            "regimes": [{
+                "name": r.name, "expert_width": r.expert_width, "shared_width": r.shared_width, "exact": r.exact,
+                "total_params": r.budget.total_params, "active_params": r.budget.active_params,
+                "ffn_flops": r.budget.ffn_flops, "total_ratio": r.budget.total_ratio,
+                "active_ratio": r.budget.active_ratio, "flops_ratio": r.budget.flops_ratio,
+            } for r in self.regimes],
+        }
+
+
+def read_source_config(path: str | Path) -> SourceModel:
+    """A dense source from a checkpoint directory or from a config.json file (any file name); weights not needed."""
+    path = Path(path)
+    if path.is_dir() or not path.exists():
+        return load_source(path)
+    if path.name == "config.json":
+        return load_source(path.parent)
+    # A config saved under another name: parse it from a scratch directory, report errors against the real file.
+    with tempfile.TemporaryDirectory(prefix="moeify-plan-") as tmp:
+        shutil.copyfile(path, Path(tmp) / "config.json")
+        try:
+            src = load_source(tmp)
+        except MoeifyError as exc:
+            what = exc.what.replace(f"{tmp}/config.json", str(path)).replace(tmp, str(path))
+            raise MoeifyError(what, exc.hint) from None
+    return dataclasses.replace(src, path=path)
+
+
+def non_ffn_params(src: SourceModel) -> int:
+    """Embeddings (+ untied lm_head), attention q/k/v/o (GQA, head_dim), the two norms per layer and the final norm."""
+    h, q, kv = src.hidden, src.heads * src.head_dim, src.kv_heads * src.head_dim
+    embed = src.vocab * h * (1 if src.tied else 2)
+    attention = h * q + 2 * h * kv + q * h
+    norms = 2 * h
+    return embed + src.n_layers * (attention + norms) + h
+
+
+def plan_moe(src: SourceModel, *, experts: int, top_k: int, shared: int = 0,
+             expert_width: int | None = None) -> MoePlan:
+    """The four regimes for one dense source. Raises MoeifyError for flags that make no sense."""
+    for flag, value in (("experts", experts), ("top-k", top_k), ("shared", shared)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise MoeifyError(f"--{flag} must be an integer, got {value!r}")
+    if experts < 1:
+        raise MoeifyError(f"--experts must be ≥ 1, got {experts}")
+    if shared < 0:
+        raise MoeifyError(f"--shared must be ≥ 0, got {shared}")
+    if not 1 <= top_k <= experts:
+        raise MoeifyError(f"--top-k must be between 1 and --experts ({experts}), got {top_k}",
+                          "top-k is the number of routed experts each token uses")
+    d_ff = src.d_ff
+    units = experts + shared
+    if d_ff % units:
+        valid = [n for n in range(1, 257) if d_ff % (n + shared) == 0]
+        raise MoeifyError(
+            f"--experts {experts} with --shared {shared} does not divide intermediate_size {d_ff} into {units} equal "
+            "experts, so the model cannot be carved (the inference-saving regime)",
+            f"valid --experts for --shared {shared}: {', '.join(map(str, valid[:40]))}",
+        )
+    if expert_width is not None and (isinstance(expert_width, bool) or not isinstance(expert_width, int)
+                                     or expert_width < 1):
+        raise MoeifyError(f"--expert-width must be a positive integer, got {expert_width!r}")
+
+    other = non_ffn_params(src)
+    widths = [("max capacity", d_ff, True), ("constant compute", d_ff // (top_k + shared), d_ff % (top_k + shared) == 0),
+              ("inference saving", d_ff // units, True)]
+    if expert_width is not None:
+        widths.append(("custom", expert_width, True))
+    regimes = []
+    for name, width, exact in widths:
+        budget = carve_budget(hidden=src.hidden, d_ff=d_ff, n_layers=src.n_layers, other_params=other,
+                              experts=experts, top_k=top_k, expert_width=width, shared_width=shared * width)
+        regimes.append(Regime(name, width, shared * width, budget, exact))
+    return MoePlan(src, experts, top_k, shared, other, regimes)
+
+
+def plan_from_path(path: str | Path, **kwargs) -> MoePlan:
+    return plan_moe(read_source_config(path), **kwargs)
+
+
+def plan_json(plan: MoePlan) -> str:
+    return json.dumps(plan.to_dict(), indent=2)

@@ -1,0 +1,159 @@
+"""`moeify plan`: hand-computed numbers for Llama-3-8B, agreement with `convert --dry-run`, flag errors, CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import build_dense
+from moeify.cli import app
+from moeify.config import build_config
+from moeify.convert import plan_conversion
+from moeify.errors import MoeifyError
+from moeify.plan import non_ffn_params, plan_from_path, plan_moe, read_source_config
+
+# meta-llama/Meta-Llama-3-8B config.json (as published)
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000,
+    "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 14336, "max_position_embeddings": 8192, "model_type": "llama", "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": None, "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.40.0.dev0", "use_cache": True, "vocab_size": 128256,
+}
+
+# Hand arithmetic, h = 4096, d_ff = 14336, 32 layers, 32 heads × 128, 8 kv heads × 128, vocab 128256, untied.
+EMBED = 128256 * 4096  # 525_336_576, once for embed_tokens and once for lm_head
+ATTN = 4096 * 4096 + 2 * (4096 * 1024) + 4096 * 4096  # q, k, v, o = 41_943_040
+NORMS = 2 * 4096  # input + post-attention RMSNorm
+OTHER = 2 * EMBED + 32 * (ATTN + NORMS) + 4096  # + final norm = 2_393_116_672
+FFN = 3 * 4096 * 14336  # gate, up, down = 176_160_768 per layer
+DENSE = OTHER + 32 * FFN  # 8_030_261_248 (the published "8.03B")
+DENSE_FLOPS = 2 * 32 * FFN  # 11_274_289_152
+ROUTER = 8 * 4096  # 32_768 per layer
+
+
+def expert(width: int) -> int:
+    return 3 * 4096 * width
+
+
+# (name, width, total, active) for --experts 8 --top-k 2
+EXPECTED = [
+    ("max capacity", 14336, OTHER + 32 * (8 * expert(14336) + ROUTER), OTHER + 32 * (2 * expert(14336) + ROUTER)),
+    ("constant compute", 7168, OTHER + 32 * (8 * expert(7168) + ROUTER), OTHER + 32 * (2 * expert(7168) + ROUTER)),
+    ("inference saving", 1792, OTHER + 32 * (8 * expert(1792) + ROUTER), OTHER + 32 * (2 * expert(1792) + ROUTER)),
+    ("custom", 4096, OTHER + 32 * (8 * expert(4096) + ROUTER), OTHER + 32 * (2 * expert(4096) + ROUTER)),
+]
+
+
+@pytest.fixture
+def llama3_config(tmp_path):
+    path = tmp_path / "Meta-Llama-3-8B" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(LLAMA3_8B))
+    return path
+
+
+def test_hand_arithmetic_is_what_it_says():
+    assert OTHER == 2_393_116_672 and DENSE == 8_030_261_248 and DENSE_FLOPS == 11_274_289_152
+    assert EXPECTED[0][2] == 47_491_321_856 and EXPECTED[0][3] == 13_668_454_400
+    assert EXPECTED[2][2] == 8_031_309_824 and EXPECTED[2][3] == 3_803_451_392
+
+
+def test_llama3_8b_numbers(llama3_config):
+    plan = plan_from_path(llama3_config, experts=8, top_k=2, expert_width=4096)
+    assert non_ffn_params(plan.src) == OTHER == plan.other_params
+    assert plan.dense_params == DENSE and plan.dense_ffn_flops == DENSE_FLOPS
+    assert [r.name for r in plan.regimes] == [e[0] for e in EXPECTED]
+    for r, (name, width, total, active) in zip(plan.regimes, EXPECTED):
+        b = r.budget
+        assert (r.expert_width, b.total_params, b.active_params) == (width, total, active), name
+        assert b.ffn_flops == 2 * 32 * (2 * expert(width) + ROUTER), name  # FLOPs = 2 × active FFN weights
+        assert b.total_ratio == total / DENSE and b.active_ratio == active / DENSE
+        assert b.flops_ratio == b.ffn_flops / DENSE_FLOPS
+    caps, const, carve, _ = (r.budget for r in plan.regimes)
+    # the seed's heuristics, up to the router's share (2·32·8·4096 / DENSE_FLOPS ≈ 1.9e-4)
+    assert caps.flops_ratio == pytest.approx(2.0, abs=2e-4)  # max capacity: k × dense compute
+    assert const.flops_ratio == pytest.approx(1.0, abs=2e-4)  # constant compute
+    assert carve.flops_ratio == pytest.approx(2 / 8, abs=2e-4)  # inference saving: k/N
+    assert carve.total_ratio == pytest.approx(1.0, abs=2e-4)  # carving keeps the size
+
+
+def test_shared_expert_widths(llama3_config):
+    # 14 routed + 2 shared: carve width 14336 / 16 = 896, shared 1792; constant compute 14336 / (3 + 2) rounds down
+    plan = plan_from_path(llama3_config, experts=14, top_k=3, shared=2)
+    caps, const, carve = plan.regimes
+    assert (carve.expert_width, carve.shared_width, carve.exact) == (896, 1792, True)
+    assert (const.expert_width, const.shared_width, const.exact) == (2867, 5734, False)
+    assert carve.budget.total_params == OTHER + 32 * (14 * expert(896) + expert(1792) + 14 * 4096)
+    assert carve.budget.active_params == OTHER + 32 * (3 * expert(896) + expert(1792) + 14 * 4096)
+    assert caps.shared_width == 2 * 14336
+
+
+def test_directory_and_renamed_config_file(tmp_path, llama3_config):
+    renamed = tmp_path / "llama3-8b.json"
+    renamed.write_text(llama3_config.read_text())
+    for path in (llama3_config, llama3_config.parent, renamed):
+        assert plan_from_path(path, experts=8, top_k=2).dense_params == DENSE
+    assert read_source_config(renamed).path == renamed
+
+
+@pytest.mark.parametrize("tied,experts,shared", [(False, 4, 0), (True, 4, 0), (False, 5, 1)])
+def test_carve_regime_equals_convert_dry_run(tmp_path, tied, experts, shared):
+    src = build_dense(tmp_path / "dense", head_dim=24, tie_word_embeddings=tied)  # d_ff 96
+    cfg = build_config(experts=experts, top_k=2, shared=shared)
+    dry = plan_conversion(src, cfg).budget
+    carve = plan_moe(read_source_config(src), experts=experts, top_k=2, shared=shared).regimes[2]
+    assert carve.name == "inference saving"
+    assert carve.budget == dry
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(experts=3, top_k=2), "does not divide intermediate_size 14336"),
+    (dict(experts=8, top_k=9), "--top-k must be between 1 and --experts (8)"),
+    (dict(experts=8, top_k=0), "--top-k must be between 1"),
+    (dict(experts=0, top_k=1), "--experts must be ≥ 1"),
+    (dict(experts=8, top_k=2, shared=-1), "--shared must be ≥ 0"),
+    (dict(experts=8, top_k=2, expert_width=0), "--expert-width must be a positive integer"),
+])
+def test_bad_flags(llama3_config, kwargs, message):
+    with pytest.raises(MoeifyError) as err:
+        plan_from_path(llama3_config, **kwargs)
+    assert message in str(err.value)
+
+
+def test_divisibility_error_lists_valid_counts(llama3_config):
+    with pytest.raises(MoeifyError) as err:
+        plan_from_path(llama3_config, experts=3, top_k=2)
+    assert "valid --experts" in str(err.value) and " 7, 8," in str(err.value)
+
+
+def test_bad_config_names_the_real_file(tmp_path):
+    bad = tmp_path / "mixtral.json"
+    bad.write_text(json.dumps({**LLAMA3_8B, "model_type": "mixtral", "num_local_experts": 8}))
+    with pytest.raises(MoeifyError) as err:
+        plan_from_path(bad, experts=8, top_k=2)
+    assert str(bad) in str(err.value) and "already a Mixture-of-Experts" in str(err.value)
+    with pytest.raises(MoeifyError, match="does not exist"):
+        plan_from_path(tmp_path / "nope", experts=8, top_k=2)
+
+
+def test_cli_table_and_json(llama3_config):
+    runner = CliRunner()
+    res = runner.invoke(app, ["plan", str(llama3_config), "--experts", "8", "--top-k", "2", "--expert-width", "4096"])
+    assert res.exit_code == 0, res.output
+    for text in ("max capacity", "constant compute", "inference saving", "custom", "47.49B", "13.67B", "5.914",
+                 "0.250", "8.03B"):
+        assert text in res.output, text
+    res = runner.invoke(app, ["plan", str(llama3_config), "-n", "8", "-k", "2", "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    assert data["dense_params"] == DENSE and data["regimes"][2]["total_params"] == EXPECTED[2][2]
+
+
+def test_cli_bad_flag_exits_2(llama3_config):
+    res = CliRunner().invoke(app, ["plan", str(llama3_config), "--experts", "3", "--top-k", "2"])
+    assert res.exit_code == 2
+    assert "does not divide intermediate_size" in res.output
