@@ -106,6 +106,68 @@ def convert(
         _fail(exc)
 
 
+@app.command("plan")
+def plan_cmd(
+    src: Path = typer.Argument(..., help="Dense checkpoint directory, or a config.json file (no weights needed)."),
+    experts: int = typer.Option(8, "--experts", "-n", help="Routed experts per layer."),
+    top_k: int = typer.Option(2, "--top-k", "-k", help="Routed experts active per token."),
+    shared: int = typer.Option(0, "--shared", help="Always-on shared expert, in units of one expert's width."),
+    expert_width: Optional[int] = typer.Option(None, "--expert-width", help="Add a row for this expert width."),
+    as_json: bool = typer.Option(False, "--json", help="Print the numbers as JSON instead of a table."),
+) -> None:
+    """Parameters, activated parameters and FFN FLOPs per token of an MoE built from a dense config, for the
+    max-capacity (width d_ff), constant-compute (d_ff/k), inference-saving (d_ff/N, what convert carves) and
+    custom-width regimes, with ratios to the dense model.
+
+    Example: moeify plan path/to/Llama-3-8B/config.json --experts 8 --top-k 2
+    """
+    from .plan import plan_from_path, plan_json
+    from .report import print_moe_plan
+
+    try:
+        result = plan_from_path(src, experts=experts, top_k=top_k, shared=shared, expert_width=expert_width)
+    except MoeifyError as exc:
+        _fail(exc)
+    if as_json:
+        out_console.print_json(plan_json(result))
+    else:
+        print_moe_plan(out_console, result)
+
+
+@app.command("inspect")
+def inspect_cmd(
+    out: Path = typer.Argument(..., help="MoE checkpoint directory (mixtral or qwen2_moe, e.g. written by convert)."),
+    dense: Optional[Path] = typer.Option(None, "--dense", help="The dense source: adds the dense FFN as row F."),
+    data: Optional[Path] = typer.Option(None, "--data", help="Text file: routing, norm-vs-score ranks, activations."),
+    max_tokens: int = typer.Option(512, "--max-tokens", help="Tokens of --data to run."),
+    layers: Optional[str] = typer.Option(None, "--layers", help="Comma-separated MoE layers [default: all]."),
+    output_dir: Optional[Path] = typer.Option(None, "--output-dir", "-o", help="Where inspect.json and PNGs go "
+                                              "[default: OUT/inspect]."),
+    plots: bool = typer.Option(True, "--plots/--no-plots", help="Write PNG figures (needs matplotlib: moeify[plot])."),
+) -> None:
+    """Expert/router similarity analyses of "A Closer Look into Mixture-of-Experts in LLMs", per MoE layer.
+
+    Example: moeify inspect out/llama-moe --dense path/to/Llama-3-8B --data text.txt
+    """
+    from .analysis import run_inspect
+    from .report import print_inspect
+
+    try:
+        with _progress() as bar:
+            tasks: dict[str, int] = {}
+
+            def on_progress(stage: str, done: int, total: int) -> None:
+                if stage not in tasks:
+                    tasks[stage] = bar.add_task(stage, total=total)
+                bar.update(tasks[stage], completed=done)
+
+            result = run_inspect(out, dense=dense, data=data, max_tokens=max_tokens, layers=layers,
+                                 out_dir=output_dir, plots=plots, progress=on_progress)
+    except MoeifyError as exc:
+        _fail(exc)
+    print_inspect(out_console, result)
+
+
 def main() -> None:
     try:
         app()

@@ -46,3 +46,86 @@ def print_plan(console: Console, plan, out: Path) -> None:
 def print_result(console: Console, report: dict, out: Path) -> None:
     console.print(f"[bold green]wrote[/] {out} in {report['seconds']:.1f}s "
                   f"({report['format']}, {len(report['layers'])} layers)")
+
+
+# ------------------------------------------------------------------------------------------- plan / inspect
+
+
+def print_moe_plan(console: Console, plan) -> None:
+    """`moeify plan`: total / active parameters and FFN FLOPs of each regime, with ratios to the dense model."""
+    s = plan.src
+    title = (f"moeify plan: {plan.experts} experts, top-{plan.top_k}" + (f", shared {plan.shared}" if plan.shared else "")
+             + f" from {s.path} ({s.model_type}, {s.n_layers} layers, hidden {s.hidden}, d_ff {s.d_ff})")
+    rows = [["dense", str(s.d_ff), human_count(plan.dense_params), "1.000", human_count(plan.dense_params), "1.000",
+             human_count(plan.dense_ffn_flops), "1.000"]]
+    for r in plan.regimes:
+        b = r.budget
+        rows.append([r.name, f"{r.expert_width}" + ("" if r.exact else "*"), human_count(b.total_params),
+                     f"{b.total_ratio:.3f}", human_count(b.active_params), f"{b.active_ratio:.3f}",
+                     human_count(b.ffn_flops), f"{b.flops_ratio:.3f}"])
+    t = _table(title, ["regime", "expert\nwidth", "total\nparams", "×\ndense", "active\nparams\n/ token", "×\ndense",
+                       "FFN\nFLOPs\n/ token", "×\ndense"], rows)
+    t.rows[0].style = "dim"
+    console.print(t)
+    notes = ["expert width: neurons per routed expert (max capacity d_ff, constant compute d_ff/(k+S), inference saving "
+             "d_ff/(N+S), the split `convert` carves)"]
+    if plan.shared:
+        notes.append(f"plus a shared expert {plan.shared}× that width")
+    if not all(r.exact for r in plan.regimes):
+        notes.append("* rounded down: d_ff is not divisible")
+    notes.append(f"non-FFN parameters (embeddings, attention, norms): {human_count(plan.other_params)}; "
+                 "FFN FLOPs = 2 × multiply-adds of active expert and router weights")
+    console.print("[dim]" + "; ".join(notes) + "[/]")
+
+
+def _table(title: str, columns: list[str], rows: list[list[str]]) -> Table:
+    """A table whose cells never get cut: each column is at least as wide as its widest cell; headers may wrap."""
+    from rich import box
+
+    t = Table(title=title, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD, pad_edge=False)
+    for c, name in enumerate(columns):
+        t.add_column(name, justify="left" if c == 0 else "right", min_width=max(len(r[c]) for r in rows))
+    for r in rows:
+        t.add_row(*r)
+    return t
+
+
+def _fmt(x, spec: str = ".2f") -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def print_inspect(console: Console, result: dict) -> None:
+    """`moeify inspect`: per analysed MoE layer, weight similarities and router R², then the data analyses."""
+    dense = result.get("dense") is not None
+    cols = ["layer", "S up", "S gate", "S down", "S̄ gate"] + (["S̄ gate·F"] if dense else []) + ["R² gate", "R² up", "R² down"]
+    rows = []
+    for e in result["layers"]:
+        m, n = e["mean_expert_similarity"]["matrix"], e["mean_expert_similarity"]["neuron"]
+        fit = e["router_fit"]
+        row = [str(e["layer"]), _fmt(m["up"]), _fmt(m["gate"]), _fmt(m["down"]), _fmt(n["gate"])]
+        if dense:
+            row.append(_fmt(e["mean_dense_similarity"]["neuron"]["gate"]))
+        rows.append(row + [_fmt(fit[k]["r2"] if fit[k] else None) for k in ("gate", "up", "down")])
+    console.print(_table(f"moeify inspect: {result['checkpoint']} ({result['format']}, {result['n_experts']} experts, "
+                         f"top-{result['top_k']})", cols, rows))
+    console.print("[dim]S: mean cosine between distinct experts' flattened matrices; S̄: of their neuron-averaged vectors"
+                  + ("; ·F: experts vs the dense FFN" if dense else "")
+                  + "; R²: router-row similarities regressed on the S̄ matrices over expert pairs[/]")
+    r2 = result["router_r2_avg"]
+    console.print(f"R²_avg: gate {_fmt(r2['gate'])}, up {_fmt(r2['up'])}, down {_fmt(r2['down'])}  "
+                  "[dim](paper, Mixtral 8x7B: gate 0.33, up 0.06, down 0.07)[/]")
+    data = result.get("data")
+    if data:
+        rows = []
+        for d in data["layers"]:
+            share = d["selection_share"]
+            busiest = max(range(len(share)), key=share.__getitem__)
+            rows.append([str(d["layer"]), _fmt(d["top1_norm_is_top1_score"], ".1%"), _fmt(d["topk_norm_overlap"], ".1%"),
+                         _fmt(d["active_share_mean"], ".1%"), f"{busiest} ({share[busiest]:.0%})"])
+        console.print(_table(f"on {data['n_tokens']} tokens of {data['file']}",
+                             ["layer", "top-1 norm = top-1 score", "top-k overlap",
+                              f"|act| > {data['active_threshold']:g}", "busiest expert (share of tokens)"], rows))
+        console.print("[dim]top-k overlap: share of the k experts with the largest outputs that the router selected[/]")
+    if result.get("plots_skipped"):
+        console.print(f"[yellow]no PNGs:[/] {result['plots_skipped']}")
+    console.print(f"[bold green]wrote[/] {result['json']}" + (f" and {len(result['plots'])} PNG(s)" if result["plots"] else ""))
