@@ -11,8 +11,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 import shutil
+import socket
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,32 +48,48 @@ class TensorInfo:
 
 
 def _read_header(path: Path) -> dict:
-    """Parse a safetensors header without loading data; clear errors for truncated/corrupt files."""
+    """Parse a safetensors header without loading data; clear errors for truncated/corrupt files.
+
+    Checks what safe_open would only find out later, mid-conversion: every entry has a known dtype, a shape of
+    non-negative integers, and data offsets that match the shape and lie inside the file.
+    """
     size = path.stat().st_size
+    fix = "the file is damaged; re-download this shard"
     with open(path, "rb") as fh:
         raw = fh.read(8)
         if len(raw) < 8:
-            raise MoeifyError(f"{path} is truncated: no safetensors header", "re-download this shard")
+            raise MoeifyError(f"{path} is truncated: no safetensors header", fix)
         (n,) = struct.unpack("<Q", raw)
         if n > min(size - 8, 100_000_000):
-            raise MoeifyError(f"{path} has a corrupt safetensors header (length {n} > file size)", "re-download this shard")
+            raise MoeifyError(f"{path} has a corrupt safetensors header (length {n} > file size)", fix)
         try:
             header = json.loads(fh.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError):
-            raise MoeifyError(f"{path} has a corrupt safetensors header (not JSON)", "re-download this shard") from None
+            raise MoeifyError(f"{path} has a corrupt safetensors header (not JSON)", fix) from None
+    if not isinstance(header, dict):
+        raise MoeifyError(f"{path} has a corrupt safetensors header (not a JSON object)", fix)
     end = 0
     for name, entry in header.items():
         if name == "__metadata__":
             continue
         try:
-            start, stop = entry["data_offsets"]
-            if entry["dtype"] not in ST_DTYPES:
-                raise MoeifyError(f"{path}: tensor {name} has unsupported dtype {entry['dtype']}")
-        except (KeyError, TypeError, ValueError):
-            raise MoeifyError(f"{path} has a corrupt safetensors header entry for {name}", "re-download this shard") from None
+            dtype = ST_DTYPES.get(entry["dtype"])
+            if dtype is None:
+                raise MoeifyError(f"{path}: tensor {name} has unsupported dtype {entry['dtype']}",
+                                  "quantized or exotic dtypes are not supported; use the bf16/fp16/fp32 release")
+            shape, (start, stop) = entry["shape"], entry["data_offsets"]
+            ints = [*shape, start, stop]
+            if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ints):
+                raise ValueError
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            if stop - start != nbytes:
+                raise MoeifyError(f"{path}: tensor {name} has shape {shape} ({nbytes} bytes) but its data_offsets "
+                                  f"span {stop - start} bytes", fix)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise MoeifyError(f"{path} has a corrupt safetensors header entry for {name}", fix) from None
         end = max(end, stop)
     if 8 + n + end > size:
-        raise MoeifyError(f"{path} is truncated: data ends at byte {8 + n + end}, file has {size}", "re-download this shard")
+        raise MoeifyError(f"{path} is truncated: data ends at byte {8 + n + end}, file has {size}", fix)
     return header
 
 
@@ -82,66 +101,189 @@ def _inside(path: Path, root: Path) -> bool:
         return False
 
 
-class CheckpointReader:
-    """Lazy access to the tensors of a safetensors checkpoint directory (single file or sharded)."""
+def link_allowed(path: Path, root: Path) -> bool:
+    """Whether `path` (possibly a symlink) stays inside the checkpoint directory `root`.
 
-    def __init__(self, root: str | Path):
+    One exception: a Hugging Face hub cache snapshot (`.../snapshots/<rev>/file -> ../../blobs/<sha>`) may
+    link into its own `blobs` directory.
+    """
+    if _inside(path, root):
+        return True
+    root = root.absolute()
+    if root.parent.name == "snapshots":
+        return _inside(path, root.parent.parent / "blobs")
+    return False
+
+
+def check_links(root: Path, names) -> None:
+    """Refuse files of the checkpoint (config, tokenizer) that are links escaping it: they would be read or copied."""
+    for name in names:
+        path = Path(root) / name
+        if (path.exists() or path.is_symlink()) and not link_allowed(path, Path(root)):
+            raise MoeifyError(f"{path} is a link that escapes {root}", "copy the real file into the checkpoint directory")
+
+
+PICKLE_INDEX_NAME = "pytorch_model.bin.index.json"
+NONFINITE_CHUNK = 1 << 24  # elements checked at a time (bounded temporary memory)
+
+
+def first_nonfinite(t: torch.Tensor) -> tuple[int, int, float] | None:
+    """(count of NaN/Inf elements, flat index of the first one, its value), or None if all are finite."""
+    if not t.dtype.is_floating_point:
+        return None
+    flat = t.reshape(-1)
+    count, first = 0, None
+    for start in range(0, flat.numel(), NONFINITE_CHUNK):
+        bad = ~torch.isfinite(flat[start:start + NONFINITE_CHUNK])
+        n = int(bad.sum())
+        if n:
+            if first is None:
+                first = start + int(bad.nonzero()[0, 0])
+            count += n
+    return None if first is None else (count, first, float(flat[first]))
+
+
+def _index_str(flat: int, shape: tuple[int, ...]) -> str:
+    idx = []
+    for dim in reversed(shape):
+        idx.append(flat % dim)
+        flat //= dim
+    return "[" + ", ".join(map(str, reversed(idx))) + "]"
+
+
+class CheckpointReader:
+    """Lazy access to the tensors of a checkpoint directory (single file or sharded).
+
+    safetensors is the format; pickled `pytorch_model*.bin` weights are read only with `allow_pickle`, and then
+    only through `torch.load(weights_only=True)` (which refuses anything but tensors and plain containers).
+    Every tensor is checked for NaN/Inf as it is read: a MoeifyError names it, unless `allow_nonfinite`,
+    in which case it is recorded in `self.nonfinite` (name -> count) for the caller to warn about.
+    """
+
+    def __init__(self, root: str | Path, *, allow_pickle: bool = False, allow_nonfinite: bool = False):
         self.root = Path(root)
+        self.allow_nonfinite = allow_nonfinite
+        self.nonfinite: dict[str, int] = {}
         self.tensors: dict[str, TensorInfo] = {}
         self.file_of: dict[str, Path] = {}
-        for shard in self._shards():
-            for name, entry in _read_header(shard).items():
-                if name == "__metadata__":
-                    continue
+        self.pickled = False
+        shards = self._shards(allow_pickle)
+        for shard in shards:
+            if self.pickled:
+                entries = {name: (t.dtype, tuple(t.shape)) for name, t in self._load_pickle(shard).items()}
+            else:
+                entries = {name: (ST_DTYPES[e["dtype"]], tuple(e["shape"]))
+                           for name, e in _read_header(shard).items() if name != "__metadata__"}
+            for name, (dtype, shape) in entries.items():
                 if name in self.file_of and self.file_of[name] != shard:
-                    raise MoeifyError(f"tensor {name} appears in both {self.file_of[name].name} and {shard.name}")
-                self.tensors[name] = TensorInfo(name, ST_DTYPES[entry["dtype"]], tuple(entry["shape"]))
+                    raise MoeifyError(f"tensor {name} appears in both {self.file_of[name].name} and {shard.name}",
+                                      "the checkpoint is inconsistent; re-download it")
+                self.tensors[name] = TensorInfo(name, dtype, shape)
                 self.file_of[name] = shard
         self._open_path: Path | None = None
         self._open = None
 
-    def _shards(self) -> list[Path]:
+    def _shards(self, allow_pickle: bool) -> list[Path]:
         index = self.root / INDEX_NAME
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-                files = sorted(set(weight_map.values()))
-            except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-                raise MoeifyError(f"{index} is not a valid safetensors index (needs a 'weight_map')") from None
-            shards = []
-            for rel in files:
-                if not isinstance(rel, str) or os.path.isabs(rel) or ".." in Path(rel).parts:
-                    raise MoeifyError(f"{index} names shard {rel!r} outside the checkpoint directory", "fix or re-download the index")
-                path = self.root / rel
-                if not path.is_file():
-                    raise MoeifyError(f"{index} names shard {rel}, which is missing", "re-download the checkpoint")
-                if not _inside(path, self.root):
-                    raise MoeifyError(f"shard {rel} is a link that escapes {self.root}", "copy the real file into the checkpoint")
-                shards.append(path)
-            return shards
+        if index.is_file() or index.is_symlink():
+            return self._indexed_shards(index)
         shards = sorted(self.root.glob("*.safetensors"))
-        if len(shards) > 1:
-            raise MoeifyError(f"{self.root} has {len(shards)} .safetensors files but no {INDEX_NAME}", "add the index file")
         if not shards:
-            if any(self.root.glob("*.bin")) or any(self.root.glob("*.pt")) or any(self.root.glob("*.pth")):
+            pickles = sorted(p for pat in ("*.bin", "*.pt", "*.pth") for p in self.root.glob(pat))
+            pickle_index = self.root / PICKLE_INDEX_NAME
+            if not pickles and not pickle_index.is_file():
+                raise MoeifyError(f"{self.root} has no *.safetensors weights", "pass a Hugging Face checkpoint directory")
+            if not allow_pickle:
                 raise MoeifyError(
-                    f"{self.root} has only pickle weights (.bin/.pt), which can run code when loaded",
-                    "convert them to safetensors first (e.g. transformers save_pretrained(safe_serialization=True))",
+                    f"{self.root} has only pickle weights ({(pickles or [pickle_index])[0].name}), which can run code "
+                    "when loaded",
+                    "convert them to safetensors first (transformers save_pretrained(safe_serialization=True)), or "
+                    "pass --allow-pickle to read them with torch.load(weights_only=True)",
                 )
-            raise MoeifyError(f"{self.root} has no *.safetensors weights")
-        if not _inside(shards[0], self.root):
+            self.pickled = True
+            if pickle_index.is_file() or pickle_index.is_symlink():
+                return self._indexed_shards(pickle_index)
+            shards = [p for p in pickles if p.suffix == ".bin"] or pickles
+        if len(shards) > 1:
+            raise MoeifyError(f"{self.root} has {len(shards)} weight files ({shards[0].name}, ...) but no index "
+                              f"({PICKLE_INDEX_NAME if self.pickled else INDEX_NAME})", "add the index file")
+        if not link_allowed(shards[0], self.root):
             raise MoeifyError(f"{shards[0].name} is a link that escapes {self.root}", "copy the real file into the checkpoint")
         return shards
 
+    def _indexed_shards(self, index: Path) -> list[Path]:
+        if not link_allowed(index, self.root):
+            raise MoeifyError(f"{index} is a link that escapes {self.root}", "copy the real file into the checkpoint")
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+            raise MoeifyError(f"{index} is not a valid weight index (needs a 'weight_map' of tensor -> file)",
+                              "fix or re-download the index") from None
+        shards = []
+        for rel in files:
+            if not isinstance(rel, str) or not rel or os.path.isabs(rel) or ".." in Path(rel).parts:
+                raise MoeifyError(f"{index} names shard {rel!r} outside the checkpoint directory",
+                                  "fix or re-download the index")
+            path = self.root / rel
+            if not link_allowed(path, self.root):
+                raise MoeifyError(f"shard {rel} is a link that escapes {self.root}", "copy the real file into the checkpoint")
+            if not path.is_file():
+                raise MoeifyError(f"{index} names shard {rel}, which is missing", "re-download the checkpoint")
+            shards.append(path)
+        return shards
+
+    @staticmethod
+    def _load_pickle(path: Path) -> dict[str, torch.Tensor]:
+        """torch.load with weights_only=True (no code runs), memory-mapped when the file format allows it."""
+        try:
+            try:
+                data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as exc:
+                if "mmap" not in str(exc):
+                    raise
+                data = torch.load(path, map_location="cpu", weights_only=True)  # legacy (non-zip) format
+        except pickle.UnpicklingError as exc:
+            detail = next((ln.strip() for ln in str(exc).splitlines() if "GLOBAL" in ln), "not a plain state dict")
+            raise MoeifyError(f"{path} holds more than tensors and was not loaded ({detail})",
+                              "it may run code when loaded: get the safetensors release of this model") from None
+        except Exception as exc:  # torch raises many types for damaged files
+            raise MoeifyError(f"{path} could not be read as PyTorch weights ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''})", "re-download this file") from None
+        if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in data.items()):
+            raise MoeifyError(f"{path} is not a state dict of named tensors", "get the safetensors release of this model")
+        return data
+
     def get(self, name: str) -> torch.Tensor:
-        """Load one tensor (opening its shard, closing the previously open one)."""
+        """Load one tensor (opening its shard, closing the previously open one); NaN/Inf are refused."""
         path = self.file_of.get(name)
         if path is None:
             raise MoeifyError(f"tensor {name} is missing from {self.root}", "the checkpoint is incomplete or not a supported layout")
         if path != self._open_path:
-            self._open = safe_open(str(path), framework="pt")
+            self._open = None
+            if self.pickled:
+                self._open = self._load_pickle(path)
+            else:
+                try:
+                    self._open = safe_open(str(path), framework="pt")
+                except Exception as exc:
+                    raise MoeifyError(f"{path} could not be opened ({exc})", "re-download this shard") from None
             self._open_path = path
-        return self._open.get_tensor(name)
+        try:
+            tensor = self._open[name] if self.pickled else self._open.get_tensor(name)
+        except Exception as exc:
+            raise MoeifyError(f"tensor {name} in {path} could not be read ({exc})", "re-download this shard") from None
+        bad = first_nonfinite(tensor)
+        if bad is not None:
+            count, first, value = bad
+            if not self.allow_nonfinite:
+                raise MoeifyError(
+                    f"tensor {name} in {path.name} has {count} NaN/Inf value(s), the first {value} at "
+                    f"{_index_str(first, tuple(tensor.shape))}",
+                    "the checkpoint is damaged (re-download it), or pass --allow-nonfinite to convert it anyway",
+                )
+            self.nonfinite[name] = count
+        return tensor
 
     def close(self) -> None:
         self._open = None
@@ -218,8 +360,7 @@ class ShardWriter:
         self._next += 1
 
     def _start_next_file(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
+        self._close_file()
         self._file_idx += 1
         tensors = self.layout.files[self._file_idx]
         self._file_end = self._next + len(tensors)
@@ -229,15 +370,19 @@ class ShardWriter:
     def finish(self) -> None:
         if self._next != len(self.order):
             raise RuntimeError(f"writer finished after {self._next} of {len(self.order)} planned tensors")
+        self._close_file()
+        if len(self.names) > 1:
+            weight_map = {t.name: self.names[i] for i, f in enumerate(self.layout.files) for t in f}
+            index = {"metadata": {"total_size": self.layout.total_bytes()}, "weight_map": weight_map}
+            (self.out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+    def _close_file(self) -> None:
+        """Flush and fsync the current shard before closing it, so a committed output is on disk."""
         if self._fh is not None:
             self._fh.flush()
             os.fsync(self._fh.fileno())
             self._fh.close()
             self._fh = None
-        if len(self.names) > 1:
-            weight_map = {t.name: self.names[i] for i, f in enumerate(self.layout.files) for t in f}
-            index = {"metadata": {"total_size": self.layout.total_bytes()}, "weight_map": weight_map}
-            (self.out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
     def abort(self) -> None:
         if self._fh is not None:
@@ -246,32 +391,168 @@ class ShardWriter:
 
 
 # ----------------------------------------------------------------------------------------- atomic output
+#
+# OUT is written as the sibling OUT.moeify-partial and renamed into place only when complete and checked, so OUT
+# either does not exist or is a finished checkpoint. The partial directory holds a lock file naming the writing
+# process; a partial directory whose writer is gone is a leftover (kill -9, power loss) that --overwrite removes.
+
+LOCK_NAME = ".moeify-writing"
+OLD_SUFFIX = ".moeify-old"
+FREE_SPACE_MARGIN = 64 * 2**20  # bytes, plus 1% of the output: metadata, tokenizer files, report.json
 
 
 def partial_dir(out: Path) -> Path:
     return out.with_name(out.name + PARTIAL_SUFFIX)
 
 
-def prepare_output(out: Path, overwrite: bool) -> Path:
-    """Create the temporary sibling that the conversion writes into; return it."""
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return str(n)
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def _lock_info(tmp: Path) -> dict:
+    try:
+        info = json.loads((tmp / LOCK_NAME).read_text())
+        return info if isinstance(info, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _live_writer(tmp: Path) -> int | None:
+    """The pid of a still-running moeify writing `tmp` on this machine, if any."""
+    info = _lock_info(tmp)
+    pid = info.get("pid")
+    if isinstance(pid, int) and pid != os.getpid() and info.get("host") == socket.gethostname() and _pid_alive(pid):
+        return pid
+    return None
+
+
+def describe_leftover(tmp: Path) -> str:
+    info = _lock_info(tmp)
+    parts = []
+    if "pid" in info:
+        parts.append(f"pid {info['pid']}")
+    if isinstance(info.get("started"), (int, float)):
+        parts.append("started " + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info["started"])))
+    parts.append(f"{_human(_dir_bytes(tmp))} written")
+    return ", ".join(parts)
+
+
+def check_output_path(out: Path, overwrite: bool, src: Path | None = None) -> None:
+    """Everything about OUT that can be checked before any work. Raises MoeifyError."""
+    out = Path(out)
     tmp = partial_dir(out)
-    if out.exists() and not overwrite:
-        raise MoeifyError(f"output {out} already exists", "pass --overwrite to replace it, or choose another path")
-    if tmp.exists():
+    if src is not None:
+        if _inside(out, src):
+            raise MoeifyError(f"output {out} is inside the source checkpoint {src}", "write the output elsewhere")
+        if _inside(src, out):
+            raise MoeifyError(f"the source checkpoint {src} is inside the output {out}", "write the output elsewhere")
+    if out.exists() or out.is_symlink():
         if not overwrite:
-            raise MoeifyError(
-                f"{tmp} is left over from an interrupted conversion",
-                "pass --overwrite to remove it and start again, or delete it yourself",
-            )
+            raise MoeifyError(f"output {out} already exists", "pass --overwrite to replace it, or choose another path")
+        if out.is_symlink() or not out.is_dir():
+            raise MoeifyError(f"output {out} exists and is not a directory; --overwrite only replaces a directory",
+                              "remove it yourself or choose another path")
+        if any(out.iterdir()) and not (out / "moeify.toml").is_file():
+            raise MoeifyError(f"output {out} is a non-empty directory that moeify did not write (no moeify.toml); "
+                              "--overwrite only replaces earlier moeify outputs", "remove it yourself or choose another path")
+    if tmp.exists() or tmp.is_symlink():
+        pid = _live_writer(tmp)
+        if pid is not None:
+            raise MoeifyError(f"another moeify (pid {pid}) is writing {out} right now, into {tmp}",
+                              "wait for it to finish, or stop it first")
+        if not overwrite:
+            raise MoeifyError(f"{tmp} is left over from an interrupted conversion ({describe_leftover(tmp)})",
+                              "pass --overwrite to remove it and start again, or delete it yourself")
+
+
+def check_free_space(out: Path, need_bytes: int, overwrite: bool = False) -> None:
+    """Refuse to start when OUT's filesystem cannot hold the estimated output (plus a margin)."""
+    out = Path(out).absolute()
+    probe = out.parent
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    tmp = partial_dir(out)
+    if overwrite and tmp.is_dir() and not tmp.is_symlink():
+        free += _dir_bytes(tmp)  # the leftover is removed first
+    need = need_bytes + need_bytes // 100 + FREE_SPACE_MARGIN
+    if free < need:
+        raise MoeifyError(f"not enough free space for {out}: the output needs about {_human(need)} "
+                          f"({_human(need_bytes)} of weights plus margin), {probe} has {_human(free)} free",
+                          "free some space or write the output to another disk")
+
+
+def prepare_output(out: Path, overwrite: bool, src: Path | None = None) -> Path:
+    """Check OUT, remove a leftover partial directory (with --overwrite), create the temporary sibling; return it."""
+    out = Path(out)
+    check_output_path(out, overwrite, src)
+    tmp = partial_dir(out)
+    if tmp.is_symlink() or tmp.is_file():
+        tmp.unlink()
+    elif tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
+    lock = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "output": str(out)}
+    (tmp / LOCK_NAME).write_text(json.dumps(lock) + "\n")
     return tmp
 
 
+def discard_output(tmp: Path) -> None:
+    """Remove the temporary directory after an error or interruption."""
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fsync_tree(path: Path) -> None:
+    for f in sorted(path.rglob("*")):
+        if f.is_file() and not f.is_symlink():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    _fsync_dir(path)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems do not support fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
 def commit_output(tmp: Path, out: Path) -> None:
-    """Move the finished temporary directory into place (replacing OUT when --overwrite)."""
+    """Move the finished temporary directory into place (replacing OUT when --overwrite).
+
+    Everything is fsync'ed first, so after the rename OUT is complete on disk even across a power loss.
+    """
+    (tmp / LOCK_NAME).unlink(missing_ok=True)
+    _fsync_tree(tmp)
     if out.exists():
-        old = out.with_name(out.name + ".moeify-old")
+        old = out.with_name(out.name + OLD_SUFFIX)
         if old.exists():
             shutil.rmtree(old)
         out.rename(old)
@@ -279,3 +560,4 @@ def commit_output(tmp: Path, out: Path) -> None:
         shutil.rmtree(old)
     else:
         tmp.rename(out)
+    _fsync_dir(out.parent)

@@ -21,7 +21,8 @@ from safetensors.torch import load_file
 
 from . import __version__
 from .budget import Budget, carve_budget
-from .checkpoint import DTYPE_NAMES, CheckpointReader, ShardLayout, ShardWriter, TensorInfo, commit_output, prepare_output
+from .checkpoint import (DTYPE_NAMES, CheckpointReader, ShardLayout, ShardWriter, TensorInfo, check_free_space, check_links,
+                         check_output_path, commit_output, prepare_output)
 from .config import ConvertConfig, config_to_toml
 from .errors import MoeifyError
 from .carve import CarvedLayer, carve_weight_only
@@ -56,11 +57,17 @@ class ConversionPlan:
         return self.layout.total_bytes()
 
 
-def plan_conversion(src_path: str | Path, cfg: ConvertConfig) -> ConversionPlan:
-    """Read config and shard headers only; check everything that can be checked before heavy work."""
+def plan_conversion(src_path: str | Path, cfg: ConvertConfig, *, allow_pickle: bool = False,
+                    allow_nonfinite: bool = False) -> ConversionPlan:
+    """Read config and shard headers only; check everything that can be checked before heavy work.
+
+    allow_pickle: read pytorch_model*.bin weights (torch.load(weights_only=True)) when there are no safetensors.
+    allow_nonfinite: convert tensors with NaN/Inf (recorded in plan.reader.nonfinite) instead of refusing them.
+    """
     cfg.validate()
     src = load_source(src_path)
-    reader = CheckpointReader(src.path)
+    check_links(src.path, ("config.json", *TOKENIZER_FILES))
+    reader = CheckpointReader(src.path, allow_pickle=allow_pickle, allow_nonfinite=allow_nonfinite)
     check_source_tensors(src, reader.tensors)
     fmt = cfg.resolved_format()
 
@@ -188,9 +195,10 @@ def run_conversion(plan: ConversionPlan, out: str | Path, *, overwrite: bool = F
     """
     out = Path(out)
     src = plan.src
-    if _inside(out, src.path):
-        raise MoeifyError(f"output {out} is inside the source checkpoint {src.path}", "write the output elsewhere")
-    tmp = prepare_output(out, overwrite)
+    check_output_path(out, overwrite, src.path)
+    spill = src.n_layers * src.hidden * src.d_ff * plan.out_dtype.itemsize if plan.cfg.compensate else 0
+    check_free_space(out, plan.output_bytes + spill, overwrite)
+    tmp = prepare_output(out, overwrite, src.path)
     t0 = time.time()
     writer = None
     try:
@@ -209,6 +217,7 @@ def run_conversion(plan: ConversionPlan, out: str | Path, *, overwrite: bool = F
         shutil.rmtree(tmp / SPILL_DIR, ignore_errors=True)
         report = _write_metadata(plan, tmp, layers_report, time.time() - t0, calib_info)
         verify_layout(tmp, plan)
+        _verify_structure(tmp)
         commit_output(tmp, out)
     except BaseException:
         if writer is not None:
@@ -287,12 +296,13 @@ def verify_layout(out_dir: Path, plan: ConversionPlan) -> None:
         raise RuntimeError(f"output check failed: {len(written)} tensors written, {len(plan.tensors)} planned")
 
 
-def _inside(path: Path, root: Path) -> bool:
-    try:
-        path.resolve().relative_to(root.resolve())
-        return True
-    except ValueError:
-        return False
+def _verify_structure(out_dir: Path) -> None:
+    """The cheap part of `moeify verify` (config, index, headers, report.json) on the output before committing it."""
+    from .verify import check_structure
+
+    problems, _, _ = check_structure(out_dir)
+    if problems:
+        raise RuntimeError("output check failed: " + "; ".join(problems))
 
 
 def unpermute_ffn(out_tensors: dict[str, torch.Tensor], part: Partition, fmt: str, layer_idx: int, cfg: ConvertConfig,
