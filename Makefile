@@ -5,6 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 MODEL   ?= examples/tiny-llama
 OUT     ?= out/tiny-llama-moe
+EVAL_TOKENS ?= 16384
 
 .PHONY: demo test install clean
 
@@ -19,6 +20,7 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/moeify convert $(MODEL) $(OUT) --experts 8 --top-k 2 --overwrite
+	$(BIN)/moeify eval $(MODEL) $(OUT) --seq-len 256 --max-tokens $(EVAL_TOKENS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

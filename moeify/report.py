@@ -23,6 +23,63 @@ def human_count(n: float) -> str:
     return str(int(n))
 
 
+# ------------------------------------------------------------------------------------------------- eval
+
+_BARS = " ▁▂▃▄▅▆▇█"
+
+
+def _load_bars(load: list[float]) -> str:
+    """One character per expert, height ∝ its share of tokens (relative to the busiest expert)."""
+    top = max(load) or 1.0
+    return "".join(_BARS[min(len(_BARS) - 1, round(f / top * (len(_BARS) - 1)))] for f in load)
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def print_eval(console: Console, result) -> None:
+    """`moeify eval`: one row per model (perplexity, ×reference, parameters, tokens/s, routing summary), then a
+    per-layer routing table for each MoE model."""
+    from rich import box
+
+    d, s = result.data, result.settings
+    title = (f"moeify eval: {d['tokens']:,} tokens of {d['source']}; {d['windows']} windows of {s['seq_len']}, "
+             f"stride {s['stride']}; {s['device']} {s['dtype']}")
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
+    for name in ("model", "PPL", "× ref", "params", "active/tok", "tok/s", "routing (mean over MoE layers)"):
+        t.add_column(name, justify="left" if name in ("model", "routing (mean over MoE layers)") else "right")
+    for i, m in enumerate(result.models):
+        routing = "–"
+        if m.routing:
+            oracle = _mean([r.oracle_agreement for r in m.routing])
+            routing = (f"E{m.n_experts} k{m.top_k} ×{len(m.routing)}: aux {_mean([r.aux_loss for r in m.routing]):.2f}, "
+                       f"CV {_mean([r.load_cv for r in m.routing]):.2f}, "
+                       f"<1% {sum(r.collapsed for r in m.routing)}/{m.n_experts * len(m.routing)}"
+                       + (f", oracle {oracle:.0%}" if oracle is not None else ""))
+        t.add_row(f"{m.path} ({m.model_type})", f"{m.perplexity:.3f}", "ref" if i == 0 else f"{m.ratio:.4f}",
+                  human_count(m.total_params), human_count(m.active_params), f"{m.tokens_per_s:,.0f}", routing)
+    console.print(t)
+    for m in result.models:
+        if not m.routing:
+            continue
+        t = Table(title=f"routing of {m.path}: {m.n_experts} experts, top-{m.top_k}", title_justify="left",
+                  box=box.SIMPLE_HEAD)
+        for name in ("layer", "load per expert", "min–max f", "aux", "load CV", "<1%", "oracle top-k"):
+            t.add_column(name, justify="left" if name == "load per expert" else "right", no_wrap=True)
+        for r in m.routing:
+            t.add_row(str(r.layer), _load_bars(r.load), f"{min(r.load):.3f}–{max(r.load):.3f}", f"{r.aux_loss:.3f}",
+                      f"{r.load_cv:.2f}", str(r.collapsed),
+                      "–" if r.oracle_agreement is None else f"{r.oracle_agreement:.1%}")
+        console.print(t)
+    if any(m.routing for m in result.models):
+        console.print("[dim]E experts, top-k, ×MoE layers. f: share of tokens routed to an expert (sums to k); aux: "
+                      "N·Σ f·P (P: mean router probability; k when f or P is even); CV: std/mean of expert loads; "
+                      "<1%: experts with f < 0.01; oracle: tokens whose top-k equals the top-k by true expert output "
+                      "norm. tok/s: window tokens per second of forward (routing statistics excluded).[/]")
+
+
 def print_plan(console: Console, plan, out: Path) -> None:
     cfg, src, b = plan.cfg, plan.src, plan.budget
     t = Table(title=f"moeify plan: {src.path} → {out}", show_header=False, title_justify="left")
