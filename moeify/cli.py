@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from .errors import MoeifyError
@@ -21,13 +23,75 @@ out_console = Console()
 
 
 def _fail(exc: MoeifyError) -> None:
-    console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+    console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)  # e.g. moeify[plot]
     raise typer.Exit(2)
 
 
 def _progress() -> Progress:
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     TimeRemainingColumn(), console=console, transient=False)
+
+
+def _run_eval(models: list[Path], data: Optional[str], settings, json_path: Optional[Path] = None,
+              plot: Optional[Path] = None) -> None:
+    """Shared by `eval` and `convert --eval`: perplexity and routing of every model, one table."""
+    from .evaluate import evaluate, plot_routing, require_matplotlib
+    from .report import print_eval
+
+    if plot:
+        require_matplotlib()
+    with _progress() as bar:
+        tasks: dict[str, int] = {}
+
+        def on_progress(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(f"scoring {stage}", total=total)
+            bar.update(tasks[stage], completed=done)
+
+        result = evaluate(models, data, settings, progress=on_progress)
+    print_eval(out_console, result)
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result.to_json(), indent=1) + "\n")
+        out_console.print(f"[bold green]wrote[/] {json_path}")
+    if plot:
+        out_console.print(f"[bold green]wrote[/] {plot_routing(result, plot)}")
+
+
+@app.command("eval")
+def eval_cmd(
+    models: list[Path] = typer.Argument(..., help="Model directories; the first is the reference (e.g. the dense "
+                                        "source). All must share its tokenizer."),
+    data: Optional[str] = typer.Option(None, "--data", help="Text to score: .txt, or .jsonl with a 'text' field "
+                                       "[default: the bundled WikiText-2 validation sample]."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Window length [default: min(2048, the models' "
+                                          "max_position_embeddings)]."),
+    stride: Optional[int] = typer.Option(None, "--stride", help="Step between windows; < seq-len scores only the new "
+                                         "tokens of each window (sliding window) [default: seq-len]."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Use only the first N tokens of the data "
+                                             "[default: all]."),
+    batch_size: int = typer.Option(4, "--batch-size", help="Windows per forward."),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 on cuda, float32 on cpu) | bfloat16 | float16 "
+                              "| float32."),
+    oracle: bool = typer.Option(True, "--oracle/--no-oracle", help="Also run every expert on every token to score "
+                                "the router against the top-k by true expert output norm (costs a dense FFN)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every number (per-layer, per-expert) here."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="PNG of per-layer expert load heatmaps (needs "
+                                        "matplotlib: pip install 'moeify[plot]')."),
+) -> None:
+    """Perplexity of every model on the same tokens and windows, parameters, tokens/s, and MoE routing statistics.
+
+    Example: moeify eval path/to/dense out/llama-moe --data wiki.test.txt --seq-len 2048
+    """
+    from .evaluate import EvalSettings
+
+    try:
+        settings = EvalSettings(seq_len=seq_len, stride=stride, max_tokens=max_tokens, batch_size=batch_size,
+                                device=device, dtype=dtype, oracle=oracle)
+        _run_eval(models, data, settings, json_path, plot)
+    except MoeifyError as exc:
+        _fail(exc)
 
 
 @app.command()
@@ -75,6 +139,9 @@ def convert(
                                          "of refusing them."),
     overwrite: bool = typer.Option(False, help="Replace OUT (and any leftover OUT.moeify-partial) if it exists."),
     dry_run: bool = typer.Option(False, help="Print the plan (sizes, parameters, FLOPs) and write nothing."),
+    eval_data: Optional[str] = typer.Option(None, "--eval", help="After converting, compare source and output "
+                                            "(`moeify eval SRC OUT --data EVAL`): a .txt/.jsonl file, or 'sample' "
+                                            "for the bundled sample."),
 ) -> None:
     """Split every FFN into experts and write a Mixtral / Qwen2-MoE checkpoint that stock transformers loads.
 
@@ -91,6 +158,10 @@ def convert(
                            untie_embeddings=untie_embeddings, calib=calib, calib_tokens=calib_tokens,
                            calib_seq_len=calib_seq_len, calib_feed=calib_feed, compensate=compensate,
                            stats=str(stats) if stats else None, device=device)
+        if eval_data:  # a bad --eval file fails before the conversion, not after it
+            from .evaluate import read_text
+
+            read_text(eval_data)
         plan = plan_conversion(src, cfg, allow_pickle=allow_pickle, allow_nonfinite=allow_nonfinite)
         print_plan(out_console, plan, out)
         if dry_run:
@@ -111,6 +182,10 @@ def convert(
             console.print(f"[bold yellow]warning:[/] {len(bad)} source tensor(s) had NaN/Inf values and were converted "
                           f"as they are (--allow-nonfinite): {', '.join(list(bad)[:5])}{' ...' if len(bad) > 5 else ''}",
                           highlight=False, soft_wrap=True)
+        if eval_data:
+            from .evaluate import EvalSettings
+
+            _run_eval([src, out], eval_data, EvalSettings())
     except MoeifyError as exc:
         _fail(exc)
     except KeyboardInterrupt:
