@@ -62,6 +62,13 @@ class ConvertConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise MoeifyError(f"--{_flag(name)} must be an integer, got {value!r}")
+        if not isinstance(self.gate_tolerance, (int, float)) or isinstance(self.gate_tolerance, bool):
+            raise MoeifyError(f"--gate-tolerance must be a number, got {self.gate_tolerance!r}")
+        for name in ("untie_embeddings", "compensate"):
+            if not isinstance(getattr(self, name), bool):
+                raise MoeifyError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.stats, str) or not all(isinstance(f, str) for f in self.calib):
+            raise MoeifyError(f"calib must be a list of file names and stats a file name, got {self.calib!r}, {self.stats!r}")
         if self.experts < 1:
             raise MoeifyError(f"--experts must be ≥ 1, got {self.experts}")
         if self.shared < 0:
@@ -142,6 +149,7 @@ def load_preset(path: str | Path) -> dict:
         raise MoeifyError(f"preset {path} is not valid TOML: {exc}") from None
     known = {f.name for f in dataclasses.fields(ConvertConfig)}
     data = {k.replace("-", "_"): v for k, v in data.items()}
+    data.pop("provenance", None)  # the record that OUT/moeify.toml carries; not a setting
     unknown = sorted(set(data) - known - {"max_shard_size"})
     if unknown:
         raise MoeifyError(f"preset {path} has unknown key(s): {', '.join(unknown)}", f"known keys: {', '.join(sorted(known))}")
@@ -152,6 +160,8 @@ def build_config(preset: str | Path | None = None, **flags) -> ConvertConfig:
     """Merge a preset with flags (flags that are None fall back to the preset, then to the defaults)."""
     values = load_preset(preset) if preset else {}
     values.update({k: v for k, v in flags.items() if v is not None})
+    if isinstance(values.get("calib"), (str, Path)):
+        values["calib"] = (values["calib"],)  # calib = "file.txt" in a preset
     if values.get("calib"):
         values["calib"] = tuple(str(f) for f in values["calib"])
         for key, value in CALIBRATED_DEFAULTS.items():
