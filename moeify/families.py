@@ -82,8 +82,10 @@ def load_source(path: str | Path) -> SourceModel:
     path = Path(path)
     raw = read_config(path)
     model_type = raw.get("model_type")
-    if model_type in MOE_TYPES or "num_local_experts" in raw or "num_experts" in raw:
-        raise MoeifyError(f"{path}/config.json: model_type {model_type!r} is already a Mixture-of-Experts model",
+    moe_key = next((k for k in ("num_local_experts", "num_experts") if raw.get(k)), None)
+    if model_type in MOE_TYPES or moe_key:
+        what = f"model_type {model_type!r}" if model_type in MOE_TYPES else f"{model_type!r} with {moe_key} = {raw[moe_key]}"
+        raise MoeifyError(f"{path}/config.json: {what} is already a Mixture-of-Experts model",
                           "moeify converts dense llama/mistral checkpoints")
     if model_type not in SOURCE_TYPES:
         raise MoeifyError(f"{path}/config.json: model_type {model_type!r} is not supported",
