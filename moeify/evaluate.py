@@ -58,7 +58,8 @@ def read_text(data: str | Path | None) -> tuple[str, str]:
         return SAMPLE.read_text(encoding="utf-8"), f"bundled sample ({SAMPLE.name})"
     path = Path(data)
     if not path.is_file():
-        raise MoeifyError(f"--data {path}: no such file", "give a .txt or .jsonl file, or omit --data for the bundled sample")
+        raise MoeifyError(f"--data {path}: no such file",
+                          "give a .txt or .jsonl file, or omit --data for the bundled sample")
     try:
         raw = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
@@ -73,7 +74,8 @@ def read_text(data: str | Path | None) -> tuple[str, str]:
             except json.JSONDecodeError as exc:
                 raise MoeifyError(f"--data {path}:{n} is not valid JSON ({exc.msg})") from None
             if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                raise MoeifyError(f"--data {path}:{n} has no string 'text' field", "each line must be {\"text\": \"...\"}")
+                raise MoeifyError(f"--data {path}:{n} has no string 'text' field",
+                                  "each line must be {\"text\": \"...\"}")
             docs.append(obj["text"])
         raw = "\n\n".join(d for d in docs if d.strip())
     if not raw.strip():
@@ -88,7 +90,8 @@ def load_tokenizer(path: Path):
         return AutoTokenizer.from_pretrained(path)
     except Exception as exc:  # transformers raises OSError/ValueError/TypeError depending on what is missing
         raise MoeifyError(f"{path}: cannot load a tokenizer ({_first_line(exc)})",
-                          "copy the source model's tokenizer files (tokenizer.json, tokenizer_config.json) into it") from None
+                          "copy the source model's tokenizer files (tokenizer.json, tokenizer_config.json) "
+                          "into it") from None
 
 
 def check_same_tokenizer(ref, ref_path: Path, tok, path: Path, probe: str) -> None:
@@ -410,8 +413,8 @@ def _load_config(path: Path):
     from transformers import AutoConfig
 
     if not (path / "config.json").is_file():
-        raise MoeifyError(f"{path}: not a model directory (no config.json)", "give checkpoint directories, e.g. moeify eval "
-                          "path/to/dense out/llama-moe")
+        raise MoeifyError(f"{path}: not a model directory (no config.json)",
+                          "give checkpoint directories, e.g. moeify eval path/to/dense out/llama-moe")
     try:
         return AutoConfig.from_pretrained(path)
     except Exception as exc:
@@ -440,8 +443,8 @@ def _first_line(exc: Exception) -> str:
 
 
 def _check_settings(s: EvalSettings, context: int | None, context_path: Path | None) -> tuple[int, int]:
-    for flag, value, minimum in (("--seq-len", s.seq_len, 2), ("--stride", s.stride, 1), ("--max-tokens", s.max_tokens, 2),
-                                 ("--batch-size", s.batch_size, 1)):
+    for flag, value, minimum in (("--seq-len", s.seq_len, 2), ("--stride", s.stride, 1),
+                                 ("--max-tokens", s.max_tokens, 2), ("--batch-size", s.batch_size, 1)):
         if value is not None and value < minimum:
             raise MoeifyError(f"{flag} {value} must be at least {minimum}")
     seq_len = s.seq_len or min(DEFAULT_MAX_SEQ_LEN, context or DEFAULT_MAX_SEQ_LEN)
@@ -486,7 +489,8 @@ def evaluate(model_paths: list[str | Path], data: str | Path | None = None, sett
     for n, (path, config) in enumerate(zip(paths, configs), 1):
         model = _load_model(path, dtype, device)
         t0 = time.perf_counter()
-        tick = (lambda done, total, name=f"{n}/{len(paths)} {path.name}": progress(name, done, total)) if progress else None
+        label = f"{n}/{len(paths)} {path.name}"
+        tick = (lambda done, total, name=label: progress(name, done, total)) if progress else None
         r = score_model(model, ids, windows, settings.batch_size, settings.oracle, tick)
         mean_nll = r["nll"] / r["scored"]
         ppl = math.exp(mean_nll)

@@ -141,7 +141,8 @@ def test_oracle_norms_and_known_topk():
     assert (oracle_topk(x, gate_up, down, F.silu, 2).sort(-1).values == torch.tensor([1, 3])).all()
     logits = torch.randn(10, e, generator=g)
     routed = torch.tensor([[3, 1]] * 5 + [[0, 1]] * 5)
-    assert routing_stats(logits, routed, oracle_indices=oracle_topk(x, gate_up, down, F.silu, 2)).oracle_agreement == 0.5
+    oracle = oracle_topk(x, gate_up, down, F.silu, 2)
+    assert routing_stats(logits, routed, oracle_indices=oracle).oracle_agreement == 0.5
 
 
 def test_hooks_see_what_the_router_returns_in_a_plain_forward(models, text_file):
@@ -151,7 +152,8 @@ def test_hooks_see_what_the_router_returns_in_a_plain_forward(models, text_file)
     result = evaluate([models["mixtral"]], text_file, EvalSettings(seq_len=SEQ, max_tokens=MAX_TOKENS, batch_size=4,
                                                                    device="cpu", oracle=False))
     model = AutoModelForCausalLM.from_pretrained(models["mixtral"], dtype=torch.float32).eval()
-    ids = torch.tensor(AutoTokenizer.from_pretrained(models["mixtral"])(text_file.read_text())["input_ids"][:MAX_TOKENS])
+    tokenizer = AutoTokenizer.from_pretrained(models["mixtral"])
+    ids = torch.tensor(tokenizer(text_file.read_text())["input_ids"][:MAX_TOKENS])
     per_layer = [[] for _ in range(3)]
     with torch.no_grad():
         for w in make_windows(len(ids), SEQ, SEQ):
