@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 MODEL   ?= examples/tiny-llama
 OUT     ?= out/tiny-llama-moe
-EVAL_TOKENS ?= 16384
+EVAL_TOKENS ?= 8192
 
 .PHONY: demo test install clean
 

@@ -49,7 +49,8 @@ def print_eval(console: Console, result) -> None:
              f"stride {s['stride']}; {s['device']} {s['dtype']}")
     t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
     for name in ("model", "PPL", "× ref", "params", "active/tok", "tok/s", "routing (mean over MoE layers)"):
-        t.add_column(name, justify="left" if name in ("model", "routing (mean over MoE layers)") else "right")
+        t.add_column(name, justify="left" if name in ("model", "routing (mean over MoE layers)") else "right",
+                     overflow="fold")  # fold long paths rather than cut them
     for i, m in enumerate(result.models):
         routing = "–"
         if m.routing:
