@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from .errors import MoeifyError
 
@@ -132,6 +131,11 @@ def first_nonfinite(t: torch.Tensor) -> tuple[int, int, float] | None:
     if not t.dtype.is_floating_point:
         return None
     flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return None
+    lo, hi = torch.aminmax(flat)  # fast path: one reduction, no temporaries; NaN and +-Inf propagate into it
+    if bool(torch.isfinite(lo) & torch.isfinite(hi)):
+        return None
     count, first = 0, None
     for start in range(0, flat.numel(), NONFINITE_CHUNK):
         bad = ~torch.isfinite(flat[start:start + NONFINITE_CHUNK])
@@ -166,14 +170,20 @@ class CheckpointReader:
         self.nonfinite: dict[str, int] = {}
         self.tensors: dict[str, TensorInfo] = {}
         self.file_of: dict[str, Path] = {}
+        self._span: dict[str, tuple[int, int]] = {}  # safetensors: absolute byte range of each tensor's data
         self.pickled = False
         shards = self._shards(allow_pickle)
         for shard in shards:
             if self.pickled:
                 entries = {name: (t.dtype, tuple(t.shape)) for name, t in self._load_pickle(shard).items()}
             else:
+                header = _read_header(shard)
+                with open(shard, "rb") as fh:
+                    base = 8 + struct.unpack("<Q", fh.read(8))[0]
                 entries = {name: (ST_DTYPES[e["dtype"]], tuple(e["shape"]))
-                           for name, e in _read_header(shard).items() if name != "__metadata__"}
+                           for name, e in header.items() if name != "__metadata__"}
+                self._span.update({name: (base + e["data_offsets"][0], base + e["data_offsets"][1])
+                                   for name, e in header.items() if name != "__metadata__"})
             for name, (dtype, shape) in entries.items():
                 if name in self.file_of and self.file_of[name] != shard:
                     raise MoeifyError(f"tensor {name} appears in both {self.file_of[name].name} and {shard.name}",
@@ -260,17 +270,19 @@ class CheckpointReader:
         if path is None:
             raise MoeifyError(f"tensor {name} is missing from {self.root}", "the checkpoint is incomplete or not a supported layout")
         if path != self._open_path:
-            self._open = None
+            self.close()
             if self.pickled:
                 self._open = self._load_pickle(path)
             else:
                 try:
-                    self._open = safe_open(str(path), framework="pt")
+                    self._open = open(path, "rb", buffering=0)
+                    if hasattr(os, "posix_fadvise"):
+                        os.posix_fadvise(self._open.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
                 except Exception as exc:
                     raise MoeifyError(f"{path} could not be opened ({exc})", "re-download this shard") from None
             self._open_path = path
         try:
-            tensor = self._open[name] if self.pickled else self._open.get_tensor(name)
+            tensor = self._open[name] if self.pickled else self._read(name)
         except Exception as exc:
             raise MoeifyError(f"tensor {name} in {path} could not be read ({exc})", "re-download this shard") from None
         bad = first_nonfinite(tensor)
@@ -285,7 +297,42 @@ class CheckpointReader:
             self.nonfinite[name] = count
         return tensor
 
+    def prefetch(self, names) -> None:
+        """Ask the kernel to start reading these tensors into the page cache (asynchronous readahead), so a
+        later get() copies from memory instead of waiting for the disk."""
+        if self.pickled or not hasattr(os, "posix_fadvise"):
+            return
+        for name in names:
+            path, span = self.file_of.get(name), self._span.get(name)
+            if path is None or span is None:
+                continue
+            try:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, span[0], span[1] - span[0], os.POSIX_FADV_WILLNEED)
+                finally:
+                    os.close(fd)
+            except OSError:
+                pass  # only a hint
+
+    def _read(self, name: str) -> torch.Tensor:
+        """Read one tensor's bytes straight into a new tensor with plain reads (no mmap): the process holds only
+        the tensors it keeps, not the touched pages of a mapped 5 GB shard (which count in its RSS)."""
+        info, (start, stop) = self.tensors[name], self._span[name]
+        tensor = torch.empty(info.shape, dtype=info.dtype)
+        buf = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
+        self._open.seek(start)
+        done = 0
+        while done < stop - start:
+            n = self._open.readinto(buf[done:])
+            if not n:
+                raise OSError(f"file ends {stop - start - done} bytes early")
+            done += n
+        return tensor
+
     def close(self) -> None:
+        if self._open is not None and not self.pickled:
+            self._open.close()
         self._open = None
         self._open_path = None
 
@@ -332,6 +379,9 @@ def _header_bytes(tensors: list[TensorInfo]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
+WRITE_CHUNK = 64 << 20  # bytes per write() call
+
+
 class ShardWriter:
     """Streams tensors, in the planned order, into the planned shard files under `out_dir`."""
 
@@ -355,8 +405,10 @@ class ShardWriter:
         if self._fh is None or self._next >= self._file_end:
             self._start_next_file()
         data = tensor.detach().to("cpu").contiguous().reshape(-1)
-        if data.numel():
-            self._fh.write(data.view(torch.uint8).numpy().tobytes())
+        if data.numel():  # the tensor's own buffer, no bytes copy; chunks keep each write() call bounded
+            buf = memoryview(data.view(torch.uint8).numpy())
+            for start in range(0, len(buf), WRITE_CHUNK):
+                self._fh.write(buf[start:start + WRITE_CHUNK])
         self._next += 1
 
     def _start_next_file(self) -> None:
@@ -388,6 +440,71 @@ class ShardWriter:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
+
+
+class BackgroundWriter:
+    """A ShardWriter driven by a thread, so the caller carves the next layer while the disk writes this one.
+
+    write() hands the tensor over and returns; at most `max_pending` bytes wait in the queue (the caller blocks
+    beyond that, so memory stays bounded). The tensors must not be modified after write(). A failure on the
+    thread is raised by the next write(), finish() or abort().
+    """
+
+    def __init__(self, writer: ShardWriter, max_pending: int = 1 << 30):
+        import queue
+        import threading
+
+        self.writer, self.max_pending = writer, max_pending
+        self._queue: queue.Queue = queue.Queue()
+        self._pending = 0
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="moeify-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            name, tensor, nbytes = item
+            try:
+                if self._error is None:
+                    self.writer.write(name, tensor)
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+                self._error = exc
+            del tensor, item
+            with self._cond:
+                self._pending -= nbytes
+                self._cond.notify_all()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        self._raise()
+        nbytes = tensor.numel() * tensor.element_size()
+        with self._cond:
+            self._cond.wait_for(lambda: self._pending == 0 or self._pending + nbytes <= self.max_pending
+                                or self._error is not None)
+            self._pending += nbytes
+        self._queue.put((name, tensor, nbytes))
+
+    def _drain(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    def finish(self) -> None:
+        self._drain()
+        self._raise()
+        self.writer.finish()
+
+    def abort(self) -> None:
+        self._error = self._error or RuntimeError("aborted")  # the thread skips what is still queued
+        self._drain()
+        self.writer.abort()
 
 
 # ----------------------------------------------------------------------------------------- atomic output

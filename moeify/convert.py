@@ -21,8 +21,8 @@ from safetensors.torch import load_file
 
 from . import __version__
 from .budget import Budget, carve_budget
-from .checkpoint import (DTYPE_NAMES, CheckpointReader, ShardLayout, ShardWriter, TensorInfo, check_free_space, check_links,
-                         check_output_path, commit_output, prepare_output)
+from .checkpoint import (DTYPE_NAMES, BackgroundWriter, CheckpointReader, ShardLayout, ShardWriter, TensorInfo,
+                         check_free_space, check_links, check_output_path, commit_output, prepare_output)
 from .config import ConvertConfig, config_to_toml
 from .errors import MoeifyError
 from .carve import CarvedLayer, carve_weight_only
@@ -167,16 +167,28 @@ def ffn_output_tensors(fmt: str, layer_idx: int, part: Partition, router: torch.
     out = {next(names): router.to(dtype)}
     for e in range(cfg.experts):
         idx = part.expert_neurons(e)
-        out[next(names)] = F.pad(gate[idx].to(dtype), (0, 0, 0, pad))
-        out[next(names)] = F.pad(up[idx].to(dtype), (0, 0, 0, pad))
-        out[next(names)] = F.pad((down[:, idx].float() * k).to(dtype), (0, pad))
+        out[next(names)] = _pad(gate[idx].to(dtype), (0, 0, 0, pad))
+        out[next(names)] = _pad(up[idx].to(dtype), (0, 0, 0, pad))
+        out[next(names)] = _pad(_scaled(down[:, idx], k, dtype), (0, pad))
     if fmt == "qwen2_moe":
         idx = part.shared_neurons
         out[next(names)] = gate[idx].to(dtype)
         out[next(names)] = up[idx].to(dtype)
-        out[next(names)] = (down[:, idx].float() * 2).to(dtype)
+        out[next(names)] = _scaled(down[:, idx], 2, dtype)
         out[next(names)] = torch.zeros(1, gate.shape[1], dtype=dtype)
     return out
+
+
+def _pad(t: torch.Tensor, pad: tuple[int, ...]) -> torch.Tensor:
+    return F.pad(t, pad) if any(pad) else t  # F.pad copies even when there is nothing to pad
+
+
+def _scaled(t: torch.Tensor, factor: int, dtype: torch.dtype) -> torch.Tensor:
+    """(t.float() * factor).to(dtype), without the float32 round trip when t already has `dtype`: bf16/fp16
+    arithmetic computes in float32 and rounds once, so the bits are the same (tests/test_scale.py checks)."""
+    if t.dtype == dtype and dtype in (torch.bfloat16, torch.float16, torch.float32):
+        return t * factor
+    return (t.float() * factor).to(dtype)
 
 
 def perm_hash(perm: torch.Tensor) -> str:
@@ -210,7 +222,7 @@ def run_conversion(plan: ConversionPlan, out: str | Path, *, overwrite: bool = F
             carved, calib_info = calibrate_and_carve(plan, tmp, progress)
             if plan.cfg.dense_auto:
                 plan = with_dense_layers(plan, calib_info["dense_layers"])
-        writer = ShardWriter(tmp, plan.layout)
+        writer = BackgroundWriter(ShardWriter(tmp, plan.layout), max_pending=WRITE_AHEAD_BYTES)
         layers_report = _write_tensors(plan, writer, carved, tmp, progress)
         writer.finish()
         plan.reader.close()
@@ -227,6 +239,7 @@ def run_conversion(plan: ConversionPlan, out: str | Path, *, overwrite: bool = F
     return report
 
 
+WRITE_AHEAD_BYTES = 512 << 20  # output bytes queued for the writer thread while the next layer is carved
 SPILL_DIR = ".carve"  # inside the temporary output dir: refit down_proj per layer, removed before commit
 
 
@@ -237,6 +250,8 @@ def _write_tensors(plan: ConversionPlan, writer: ShardWriter, carved: dict[int, 
     writer.write("model.embed_tokens.weight", reader.get("model.embed_tokens.weight").to(dtype))
     for i in range(src.n_layers):
         p = f"model.layers.{i}."
+        if i + 1 < src.n_layers:  # the kernel reads the next layer from disk while this one is carved and written
+            reader.prefetch(n for n in reader.tensors if n.startswith(f"model.layers.{i + 1}."))
         for name in ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
                      "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight"):
             writer.write(p + name, reader.get(p + name).to(dtype))

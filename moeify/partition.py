@@ -92,81 +92,146 @@ def _balanced_assign_ssp(cost: np.ndarray, size: int) -> np.ndarray:
     cluster is over-full, find the cheapest chain of single-item moves over->...->under-full (Bellman-Ford
     on N nodes, edge a->b costs min over items i in a of cost[i,b]-cost[i,a]) and apply it. Each augmentation
     along a shortest path keeps the pseudo-flow optimal, so the final balanced assignment is optimal.
+
+    The edge table is kept up to date incrementally: a move changes only the moved item's row of the move
+    costs, so only the rows of the clusters on the path are recomputed (O(n) per augmentation, not O(n*N)).
     """
-    cost = np.asarray(cost, dtype=np.float64)
+    cost = np.ascontiguousarray(cost, dtype=np.float64)
     n, k = cost.shape
     labels = cost.argmin(axis=1)
     counts = np.bincount(labels, minlength=k)
-    rows = np.arange(n)
+    if not (counts > size).any():
+        return labels
+    delta = cost - cost[np.arange(n), labels][:, None]  # (n, k): cost of moving item i to cluster b
+    edge = np.full((k, k), np.inf)  # edge[a, b] = min over items in a of delta[i, b]
+    who = np.zeros((k, k), dtype=np.int64)  # the (lowest-index) item attaining it
+    cols = np.arange(k)
+
+    def refresh(a: int) -> None:
+        members = np.flatnonzero(labels == a)
+        if members.size == 0:
+            edge[a] = np.inf
+            return
+        best = delta[members].argmin(axis=0)
+        who[a] = members[best]
+        edge[a] = delta[members[best], cols]
+        edge[a, a] = np.inf
+
+    order = np.argsort(labels, kind="stable")
+    bounds = np.concatenate([[0], np.cumsum(counts)])
+    for a in range(k):
+        members = order[bounds[a]:bounds[a + 1]]
+        if members.size:
+            best = delta[members].argmin(axis=0)
+            who[a] = members[best]
+            edge[a] = delta[members[best], cols]
+    np.fill_diagonal(edge, np.inf)
+    tol = 1e-12 * max(1.0, float(np.abs(cost).max()))
+
+    def augment(path: list[int]) -> None:
+        """Apply the moves of a path of clusters, each item chosen before any move on this path."""
+        moves = [(who[a, b], b) for a, b in zip(path[:-1], path[1:])]
+        for item, b in moves:
+            counts[labels[item]] -= 1
+            labels[item] = b
+            counts[b] += 1
+            delta[item] = cost[item] - cost[item, b]
+        for a in path:
+            refresh(a)
+
     while (counts > size).any():
-        delta = cost - cost[rows, labels][:, None]  # (n, k): cost of moving item i to cluster b
-        edge = np.full((k, k), np.inf)
-        np.minimum.at(edge, labels, delta)  # edge[a, b] = min over items in a
-        np.fill_diagonal(edge, np.inf)
         # Bellman-Ford from all over-full clusters at once (virtual source).
         dist = np.where(counts > size, 0.0, np.inf)
         pred = np.full(k, -1)
         for _ in range(k):
             cand = dist[:, None] + edge  # (from, to)
             best_from = cand.argmin(axis=0)
-            best = cand[best_from, np.arange(k)]
-            improve = best < dist - 1e-12
+            best = cand[best_from, cols]
+            improve = best < dist - tol
             if not improve.any():
                 break
             dist = np.where(improve, best, dist)
             pred = np.where(improve, best_from, pred)
         under = np.flatnonzero(counts < size)
         target = under[dist[under].argmin()]
-        # Walk back to a source (an over-full cluster: the only nodes with finite dist and no predecessor),
-        # then apply the moves, each item chosen before any move on this path.
+        # Walk back to a source (an over-full cluster: the only nodes with finite dist and no predecessor).
         path = [target]
         while pred[path[-1]] != -1:
             path.append(pred[path[-1]])
-        path.reverse()
-        moves = []
-        for a, b in zip(path[:-1], path[1:]):
-            members = np.flatnonzero(labels == a)
-            moves.append((members[delta[members, b].argmin()], b))
-        for item, b in moves:
-            counts[labels[item]] -= 1
-            labels[item] = b
-            counts[b] += 1
+        augment(path[::-1])
+        # More augmentations with the same distances: any path of tight edges (reduced cost edge[a,b] +
+        # dist[a] - dist[b] ~ 0) from an over-full to an under-full cluster is a shortest path too, and
+        # applying it keeps every reduced cost >= 0 (dist stays a certificate of optimality). This batches
+        # the many independent augmentations between two Bellman-Ford runs.
+        while (counts > size).any():
+            path = _tight_path(edge + dist[:, None] - dist[None, :] <= tol, counts > size, counts < size)
+            if path is None:
+                break
+            augment(path)
     return labels
 
 
-def balanced_kmeans(x: torch.Tensor, n_clusters: int, iters: int, seed: int) -> torch.Tensor:
+def _tight_path(tight: np.ndarray, sources: np.ndarray, sinks: np.ndarray) -> list[int] | None:
+    """Breadth-first search over clusters along tight edges, from any source to any sink; None if none."""
+    parent = np.full(tight.shape[0], -2)
+    frontier = np.flatnonzero(sources)
+    parent[frontier] = -1
+    while frontier.size:
+        sub = tight[frontier]  # (frontier, k)
+        nodes = np.flatnonzero(sub.any(axis=0) & (parent == -2))
+        if nodes.size == 0:
+            return None
+        parent[nodes] = frontier[sub[:, nodes].argmax(axis=0)]
+        hit = nodes[sinks[nodes]]
+        if hit.size:
+            path = [int(hit[0])]
+            while parent[path[-1]] != -1:
+                path.append(int(parent[path[-1]]))
+            return path[::-1]
+        frontier = nodes
+    return None
+
+
+def balanced_kmeans(x: torch.Tensor, n_clusters: int, iters: int, seed: int,
+                    device: torch.device | str | None = None) -> torch.Tensor:
     """Spherical balanced k-means: rows of x (L2-normalised here) into n_clusters equal groups.
 
     k-means++ initialisation (seeded), then Lloyd iterations whose assignment step is the exact balanced
-    assignment above on cost = -cosine similarity. Returns labels (n,).
+    assignment above on cost = -cosine similarity. Returns labels (n,) on the CPU.
+
+    The similarities and centroids are float32 matrix products on `device` (default: x's device; a GPU when
+    the caller passes one); only the (n, n_clusters) cost matrix goes to the CPU for the exact assignment.
     """
-    x = torch.nn.functional.normalize(x.float(), dim=1)
     n = x.shape[0]
-    size = n // n_clusters
     if n_clusters == 1:
         return torch.zeros(n, dtype=torch.long)
-    gen = torch.Generator().manual_seed(seed)
+    # one float32 copy of x, normalised in place (what F.normalize computes, without a second n x d buffer)
+    x = x.to(device=device or x.device, dtype=torch.float32, copy=True)
+    x.div_(x.norm(dim=1, keepdim=True).clamp_min(1e-12))
+    size = n // n_clusters
+    gen = torch.Generator().manual_seed(seed)  # CPU generator: the same draws on every device
     centers = [int(torch.randint(n, (1,), generator=gen))]
     dist = (1 - x @ x[centers[0]]).clamp_min(0)
     for _ in range(1, n_clusters):
         probs = dist / dist.sum() if dist.sum() > 0 else torch.full_like(dist, 1.0 / n)
-        centers.append(int(torch.multinomial(probs, 1, generator=gen)))
+        centers.append(int(torch.multinomial(probs.cpu(), 1, generator=gen)))
         dist = torch.minimum(dist, (1 - x @ x[centers[-1]]).clamp_min(0))
     centroids = x[centers].clone()
     labels = None
     for _ in range(iters):
-        new = torch.from_numpy(balanced_assign(-(x @ centroids.T).double().numpy(), size))
+        new = torch.from_numpy(balanced_assign(-(x @ centroids.T).double().cpu().numpy(), size))
         if labels is not None and torch.equal(new, labels):
             break
         labels = new
-        centroids = torch.zeros_like(centroids).index_add_(0, labels, x)
+        centroids = torch.zeros_like(centroids).index_add_(0, labels.to(x.device), x)
         centroids = torch.nn.functional.normalize(centroids, dim=1)
     return labels
 
 
 def partition_neurons(method: str, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *, n_experts: int,
-                      n_shared: int, seed: int, kmeans_iters: int = 8) -> Partition:
-    """Weight-only partition of one FFN. gate/up: (d_ff, d_model), down: (d_model, d_ff)."""
+                      n_shared: int, seed: int, kmeans_iters: int = 8, device=None) -> Partition:
+    """Weight-only partition of one FFN. gate/up: (d_ff, d_model), down: (d_model, d_ff).
+    `device`: where gate-cluster's k-means runs (default: gate's device)."""
     d_ff = gate.shape[0]
     scores = weight_scores(gate, up, down) if n_shared else torch.zeros(d_ff)
     shared, routed = split_shared(scores, n_shared)
@@ -178,14 +243,15 @@ def partition_neurons(method: str, gate: torch.Tensor, up: torch.Tensor, down: t
         labels = torch.empty(routed.numel(), dtype=torch.long)
         labels[torch.randperm(routed.numel(), generator=gen)] = torch.arange(routed.numel()) // width
     elif method == "gate-cluster":
-        labels = balanced_kmeans(gate[routed], n_experts, kmeans_iters, seed)
+        feats = gate if n_shared == 0 else gate[routed]  # routed == arange(d_ff) without shared: no gather copy
+        labels = balanced_kmeans(feats, n_experts, kmeans_iters, seed, device)
     else:
         raise ValueError(f"unknown partition method {method!r}")
     return make_partition(labels, routed, shared, n_experts)
 
 
 def partition_from_stats(method: str, stats, *, n_experts: int, n_shared: int, seed: int,
-                         kmeans_iters: int = 8) -> Partition:
+                         kmeans_iters: int = 8, device=None) -> Partition:
     """Calibrated partition of one FFN from its NeuronStats.
 
     Shared neurons are the most often active ones (activation rate, as CMoE; mean |activation| breaks ties).
@@ -205,6 +271,6 @@ def partition_from_stats(method: str, stats, *, n_experts: int, n_shared: int, s
     dead = feats.norm(dim=1) == 0
     if dead.any():
         feats[dead] = 1e-6
-    labels = balanced_kmeans(feats, n_experts, kmeans_iters, seed)
+    labels = balanced_kmeans(feats, n_experts, kmeans_iters, seed, device)
     assert labels.numel() == d_ff - n_shared
     return make_partition(labels, routed, shared, n_experts)

@@ -34,12 +34,11 @@ def mean_gate_router(gate: torch.Tensor, part: Partition) -> torch.Tensor:
 
 def representative_router(gate: torch.Tensor, part: Partition) -> torch.Tensor:
     """CMoE: router row of expert e = gate_proj row of the member nearest (cosine) the cluster centre."""
-    centers = group_centers(gate, part)
-    gn = torch.nn.functional.normalize(gate.float(), dim=1)
     rows = []
-    for e in range(part.n_experts):
+    for e in range(part.n_experts):  # per expert: small temporaries, the same numbers as group_centers(gate, part)
         members = part.expert_neurons(e)
-        best = members[(gn[members] @ centers[e]).argmax()]
+        gn = torch.nn.functional.normalize(gate[members].float(), dim=1)
+        best = members[(gn @ gn.mean(0)).argmax()]
         rows.append(gate[best].float())
     return torch.stack(rows)
 
