@@ -104,7 +104,7 @@ def convert(
                                          "(every expert is d_ff/(experts+shared) wide) [default: 0]."),
     method: Optional[str] = typer.Option(None, help="Neuron partition: contiguous | random | gate-cluster "
                                          "(balanced k-means of gate_proj rows) | activation | coactivation (both "
-                                         "need --calib) [default: gate-cluster; with --calib: coactivation]."),
+                                         "need --calib) [default: gate-cluster; with --calib: activation]."),
     router: Optional[str] = typer.Option(None, help="Router rows: mean-gate (EMoE) | representative (CMoE) | fitted "
                                          "(ridge fit to the experts' true output norms, needs --calib) "
                                          "[default: representative; with --calib: fitted]."),

@@ -14,7 +14,7 @@ METHODS = ("contiguous", "random", "gate-cluster", "activation", "coactivation")
 ROUTERS = ("mean-gate", "representative", "fitted")
 CALIB_METHODS = ("activation", "coactivation")  # need calibration data
 # Chosen by scripts/bench_quality.py (BENCHMARKS.md): the defaults when --calib is given without --method/--router.
-CALIBRATED_DEFAULTS = {"method": "coactivation", "router": "fitted", "compensate": True}
+CALIBRATED_DEFAULTS = {"method": "activation", "router": "fitted", "compensate": True}
 FEEDS = ("dense", "moe")
 DEVICES = ("auto", "cpu", "cuda")
 FORMATS = ("auto", "mixtral", "qwen2_moe")
