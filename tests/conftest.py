@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpora" / "wikitext2" / "calib_train_200k.txt"
-FALLBACK_TEXT = "The quick brown fox jumps over the lazy dog. " * 50
+# Real English text bundled in the repo (WikiText-2 training text, CC BY-SA 3.0; see examples/calib/README.md)
+CORPUS = Path(__file__).resolve().parents[1] / "examples" / "calib" / "wikitext2_train_sample.txt"
 
 
 def corpus_text(chars: int = 20000) -> str:
-    return CORPUS.read_text()[:chars] if CORPUS.is_file() else FALLBACK_TEXT
+    return CORPUS.read_text()[:chars]
 
 
 @pytest.fixture(scope="session")
