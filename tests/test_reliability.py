@@ -440,13 +440,14 @@ def test_a_running_writer_is_not_disturbed_even_with_overwrite(tmp_path, source)
 
 @pytest.fixture(scope="module")
 def slow_source(tmp_path_factory) -> Path:
-    """Big enough (8 layers, d_ff 1024, many small output shards) that a conversion takes a moment."""
-    return build_dense(tmp_path_factory.mktemp("slow") / "dense", num_hidden_layers=8, intermediate_size=1024)
+    """Big enough (24 layers, d_ff 1024, many small output shards, k-means per layer) that a conversion
+    takes several seconds, so a signal sent mid-write cannot miss it."""
+    return build_dense(tmp_path_factory.mktemp("slow") / "dense", num_hidden_layers=24, intermediate_size=1024)
 
 
 def _start_convert(src: Path, out: Path, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "moeify.cli", "convert", str(src), str(out), "-n", "8", "-k", "2",
-           "--method", "contiguous", "--max-shard-size", "50KB", *extra]
+           "--method", "gate-cluster", "--kmeans-iters", "20", "--max-shard-size", "50KB", *extra]
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
