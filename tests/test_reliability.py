@@ -448,7 +448,10 @@ def slow_source(tmp_path_factory) -> Path:
 def _start_convert(src: Path, out: Path, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "moeify.cli", "convert", str(src), str(out), "-n", "8", "-k", "2",
            "--method", "gate-cluster", "--kmeans-iters", "20", "--max-shard-size", "50KB", *extra]
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A shell running the tests in the background (nohup, CI runners) may start us with SIGINT ignored, and a
+    # child inherits that; restore the default so the child sees Ctrl-C as a user's terminal would send it.
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler))
 
 
 def _wait_for_shards(proc: subprocess.Popen, partial: Path, timeout: float = 300) -> None:
