@@ -27,6 +27,18 @@ def _fail(exc: MoeifyError) -> None:
     raise typer.Exit(2)
 
 
+def _stage_callback(bar: Progress):
+    """A progress callback (stage, done, total) that shows one bar per stage."""
+    tasks: dict[str, int] = {}
+
+    def on_progress(stage: str, done: int, total: int) -> None:
+        if stage not in tasks:
+            tasks[stage] = bar.add_task(stage, total=total)
+        bar.update(tasks[stage], completed=done)
+
+    return on_progress
+
+
 def _progress() -> Progress:
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     TimeRemainingColumn(), console=console, transient=False)
@@ -168,13 +180,7 @@ def convert(
             out_console.print("[dim]--dry-run: nothing written[/]")
             return
         with _progress() as bar:
-            tasks: dict[str, int] = {}
-
-            def on_progress(stage: str, done: int, total: int) -> None:
-                if stage not in tasks:
-                    tasks[stage] = bar.add_task(stage, total=total)
-                bar.update(tasks[stage], completed=done)
-
+            on_progress = _stage_callback(bar)
             report = run_conversion(plan, out, overwrite=overwrite, progress=on_progress)
         print_result(out_console, report, out)
         if plan.reader.nonfinite:
@@ -241,13 +247,7 @@ def inspect_cmd(
 
     try:
         with _progress() as bar:
-            tasks: dict[str, int] = {}
-
-            def on_progress(stage: str, done: int, total: int) -> None:
-                if stage not in tasks:
-                    tasks[stage] = bar.add_task(stage, total=total)
-                bar.update(tasks[stage], completed=done)
-
+            on_progress = _stage_callback(bar)
             result = run_inspect(out, dense=dense, data=data, max_tokens=max_tokens, layers=layers,
                                  out_dir=output_dir, plots=plots, progress=on_progress)
     except MoeifyError as exc:
@@ -279,13 +279,7 @@ def verify_cmd(
 
     try:
         with _progress() as bar:
-            tasks: dict[str, int] = {}
-
-            def on_progress(stage: str, done: int, total: int) -> None:
-                if stage not in tasks:
-                    tasks[stage] = bar.add_task(stage, total=total)
-                bar.update(tasks[stage], completed=done)
-
+            on_progress = _stage_callback(bar)
             result = verify_checkpoint(out, against, values=values, logits=logits, allow_pickle=allow_pickle,
                                        seq_len=seq_len, progress=on_progress)
     except MoeifyError as exc:
