@@ -220,19 +220,20 @@ def calibrate_and_carve(plan, tmp: Path, progress=None) -> tuple[dict, dict]:
         gate, up, down = mlp.gate_proj.weight.data, mlp.up_proj.weight.data, mlp.down_proj.weight.data
         stats = NeuronStats.from_dict(stats_in, i) if stats_in is not None else None
         with torch.no_grad():
+            act = ffn_activations(x, gate, up)  # (n, d_ff), computed once for the statistics, the carving and the feed
             if stats is None and cfg.method in ("activation", "coactivation"):
-                stats = neuron_stats(ffn_activations(x, gate, up), seed=cfg.seed)
+                stats = neuron_stats(act, seed=cfg.seed)
             if stats is not None:
                 stats_out.update(stats.to_dict(i))
             carved_layer, carved_out = carve_calibrated(x, gate, up, down, layer.post_attention_layernorm.weight.data,
-                                                        cfg, stats)
+                                                        cfg, stats, act=act)
             if carved_layer.down is not None:
                 save_file({"down": carved_layer.down.to(plan.out_dtype).contiguous()},
                           str(tmp / SPILL_DIR / f"{i}.safetensors"))
                 carved_layer.down = torch.empty(0)  # marker: spilled (read back when writing)
             carved[i] = carved_layer
-            model.advance(h_mid, carved_out if cfg.calib_feed == "moe" else mlp(x))
-        del layer, h_mid, x
+            model.advance(h_mid, carved_out if cfg.calib_feed == "moe" else F.linear(act, down))  # = mlp(x)
+        del layer, h_mid, x, act
         if progress:
             progress("calibrating", i + 1, src.n_layers)
     info = {"tokens": int(tokens.numel()), "seq_len": seq_len, "device": device, "feed": cfg.calib_feed}

@@ -44,24 +44,26 @@ def carve_weight_only(gate, up, down, norm_weight, cfg) -> CarvedLayer:
 
 
 @torch.no_grad()
-def carve_calibrated(x: torch.Tensor, gate, up, down, norm_weight, cfg, stats=None) -> tuple[CarvedLayer, torch.Tensor]:
+def carve_calibrated(x: torch.Tensor, gate, up, down, norm_weight, cfg, stats=None,
+                     act=None) -> tuple[CarvedLayer, torch.Tensor]:
     """Carve one FFN using its calibration inputs x (n_tokens, d_model), all float32 on one device.
+    `act`: ffn_activations(x, gate, up) when the caller has already computed them.
 
     Returns the carved layer and the carved FFN's output on x (n_tokens, d_model), which the next layer
     is fed with when calibrating on carved outputs.
     """
     from .calibrate import ffn_activations, neuron_stats
 
-    act = ffn_activations(x, gate, up)  # (n, d_ff)
+    act = ffn_activations(x, gate, up) if act is None else act  # (n, d_ff)
     if stats is None and cfg.method in STATS_METHODS:
         stats = neuron_stats(act, seed=cfg.seed)
     n_shared = shared_count(gate.shape[0], cfg.experts, cfg.shared)
     if cfg.method in STATS_METHODS:
         part = partition_from_stats(cfg.method, stats, n_experts=cfg.experts, n_shared=n_shared, seed=cfg.seed,
-                                    kmeans_iters=cfg.kmeans_iters)
+                                    kmeans_iters=cfg.kmeans_iters, device=x.device)
     else:
         part = partition_neurons(cfg.method, gate.cpu(), up.cpu(), down.cpu(), n_experts=cfg.experts,
-                                 n_shared=n_shared, seed=cfg.seed, kmeans_iters=cfg.kmeans_iters)
+                                 n_shared=n_shared, seed=cfg.seed, kmeans_iters=cfg.kmeans_iters, device=x.device)
     part = Partition(part.perm.to(x.device), part.n_shared, part.n_experts, part.expert_width)
     norms = expert_output_norms(act, down, part)  # (n, E) the oracle's ranking signal
     n_hold = max(1, x.shape[0] // 10)

@@ -8,6 +8,7 @@ output is never held in memory.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -19,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .errors import MoeifyError
@@ -380,6 +382,66 @@ def _header_bytes(tensors: list[TensorInfo]) -> bytes:
 
 
 WRITE_CHUNK = 64 << 20  # bytes per write() call
+DIRECT_ALIGN = 4096  # O_DIRECT needs block-aligned buffers, offsets and lengths
+
+
+class _DirectFile:
+    """Write-only file opened with O_DIRECT: bytes are gathered in an aligned staging buffer and written in whole
+    blocks straight to the disk, bypassing the page cache (no kernel copy into freshly allocated cache pages and
+    no dirty-page writeback of the whole output). flush() writes the zero-padded last block and truncates the
+    file to its true length; after it only fileno() and close() may be used."""
+
+    def __init__(self, path: Path, staging: memoryview):
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        self._buf, self._fill, self._size = staging, 0, 0
+
+    def write(self, data) -> None:
+        data = memoryview(data).cast("B")
+        pos = 0
+        while pos < len(data):
+            take = min(len(data) - pos, len(self._buf) - self._fill)
+            self._buf[self._fill:self._fill + take] = data[pos:pos + take]
+            self._fill += take
+            pos += take
+            if self._fill == len(self._buf):
+                self._write_block(self._fill)
+
+    def _write_block(self, nbytes: int) -> None:
+        done = 0
+        while done < nbytes:
+            try:
+                done += os.write(self._fd, self._buf[done:nbytes])
+            except OSError as exc:  # a filesystem that accepted O_DIRECT at open but not for writes
+                import fcntl
+
+                if exc.errno != errno.EINVAL or not fcntl.fcntl(self._fd, fcntl.F_GETFL) & os.O_DIRECT:
+                    raise
+                fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+        self._size += self._fill
+        self._fill = 0
+
+    def flush(self) -> None:
+        if self._fd < 0 or self._buf is None:
+            return
+        size = self._size + self._fill
+        if self._fill:
+            padded = -(-self._fill // DIRECT_ALIGN) * DIRECT_ALIGN
+            self._buf[self._fill:padded] = bytes(padded - self._fill)
+            self._write_block(padded)
+        os.ftruncate(self._fd, size)
+        self._size, self._buf = size, None
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _direct_io_wanted() -> bool:
+    return hasattr(os, "O_DIRECT") and os.environ.get("MOEIFY_DIRECT_IO", "1") != "0"
 
 
 class ShardWriter:
@@ -394,6 +456,7 @@ class ShardWriter:
         self._file_idx = -1
         self._fh = None
         self._file_end = 0
+        self._staging: memoryview | None = None  # aligned buffer for O_DIRECT writes (allocated on first use)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         expected = self.order[self._next]
@@ -416,8 +479,21 @@ class ShardWriter:
         self._file_idx += 1
         tensors = self.layout.files[self._file_idx]
         self._file_end = self._next + len(tensors)
-        self._fh = open(self.out_dir / self.names[self._file_idx], "wb")
+        self._fh = self._open(self.out_dir / self.names[self._file_idx])
         self._fh.write(_header_bytes(tensors))
+
+    def _open(self, path: Path):
+        """O_DIRECT where the platform and filesystem allow it (MOEIFY_DIRECT_IO=0 turns it off), else buffered."""
+        if _direct_io_wanted():
+            if self._staging is None:
+                raw = np.empty(WRITE_CHUNK + DIRECT_ALIGN, dtype=np.uint8)
+                start = -raw.ctypes.data % DIRECT_ALIGN
+                self._staging = memoryview(raw[start:start + WRITE_CHUNK])
+            try:
+                return _DirectFile(path, self._staging)
+            except OSError:
+                pass  # e.g. tmpfs: EINVAL
+        return open(path, "wb")
 
     def finish(self) -> None:
         if self._next != len(self.order):

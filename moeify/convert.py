@@ -184,10 +184,11 @@ def _pad(t: torch.Tensor, pad: tuple[int, ...]) -> torch.Tensor:
 
 
 def _scaled(t: torch.Tensor, factor: int, dtype: torch.dtype) -> torch.Tensor:
-    """(t.float() * factor).to(dtype), without the float32 round trip when t already has `dtype`: bf16/fp16
-    arithmetic computes in float32 and rounds once, so the bits are the same (tests/test_scale.py checks)."""
+    """(t.float() * factor).to(dtype) of a freshly gathered t (scaled in place), without the float32 round trip
+    when t already has `dtype`: bf16/fp16 arithmetic computes in float32 and rounds once, so the bits are the
+    same (tests/test_scale.py checks)."""
     if t.dtype == dtype and dtype in (torch.bfloat16, torch.float16, torch.float32):
-        return t * factor
+        return t.mul_(factor)
     return (t.float() * factor).to(dtype)
 
 
