@@ -210,7 +210,7 @@ def calibrate_and_carve(plan, tmp: Path, progress=None) -> tuple[dict, dict]:
     stats_in = _load_stats(cfg.stats) if cfg.stats else None
     model = LayerwiseModel(src, reader, tokens, device=device)
     (tmp / SPILL_DIR).mkdir(exist_ok=True)
-    stats_out: dict[str, torch.Tensor] = {}
+    stats_files: list[Path] = []  # per-layer statistics, spilled as they are made (memory stays flat over layers)
     carved = {}
     for i in range(src.n_layers):
         layer = model.load_layer(i)
@@ -224,7 +224,9 @@ def calibrate_and_carve(plan, tmp: Path, progress=None) -> tuple[dict, dict]:
             if stats is None and cfg.method in ("activation", "coactivation"):
                 stats = neuron_stats(act, seed=cfg.seed)
             if stats is not None:
-                stats_out.update(stats.to_dict(i))
+                (tmp / "calibration").mkdir(exist_ok=True)
+                stats_files.append(tmp / "calibration" / f"layer-{i}.safetensors")
+                save_file(stats.to_dict(i), str(stats_files[-1]))
             carved_layer, carved_out = carve_calibrated(x, gate, up, down, layer.post_attention_layernorm.weight.data,
                                                         cfg, stats, act=act)
             if carved_layer.down is not None:
@@ -240,11 +242,37 @@ def calibrate_and_carve(plan, tmp: Path, progress=None) -> tuple[dict, dict]:
     if cfg.dense_auto:
         sensitivity = {i: c.metrics["rel_error"] for i, c in carved.items()}
         info["dense_layers"] = sorted(sorted(sensitivity, key=lambda i: -sensitivity[i])[: cfg.dense_auto])
-    if stats_out:
-        (tmp / "calibration").mkdir(exist_ok=True)
-        save_file(stats_out, str(tmp / "calibration" / "stats.safetensors"),
-                  metadata={"tokens": str(int(tokens.numel())), "seq_len": str(seq_len)})
+    if stats_files:
+        _merge_stats(stats_files, tmp / "calibration" / "stats.safetensors",
+                     {"tokens": str(int(tokens.numel())), "seq_len": str(seq_len)})
     return carved, info
+
+
+def _merge_stats(files: list[Path], out: Path, metadata: dict[str, str]) -> None:
+    """Stream the per-layer statistics files into one safetensors file, one tensor in memory at a time."""
+    from safetensors import safe_open
+
+    from .checkpoint import ST_DTYPES, ShardLayout, ShardWriter, TensorInfo
+
+    infos = []
+    for f in files:
+        with safe_open(str(f), "pt") as fh:
+            for key in fh.keys():
+                sl = fh.get_slice(key)
+                infos.append(TensorInfo(key, ST_DTYPES[sl.get_dtype()], tuple(sl.get_shape())))
+    writer = ShardWriter(out.parent, ShardLayout([infos]), metadata=metadata)
+    try:
+        for f in files:
+            with safe_open(str(f), "pt") as fh:
+                for key in fh.keys():
+                    writer.write(key, fh.get_tensor(key))
+        writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    (out.parent / "model.safetensors").replace(out)
+    for f in files:
+        f.unlink()
 
 
 def _load_stats(path: str) -> dict[str, torch.Tensor]:

@@ -78,14 +78,14 @@ def carve_calibrated(x: torch.Tensor, gate, up, down, norm_weight, cfg, stats=No
     else:
         router = build_router(cfg.router, gate, part)
     mask = routing_mask(x @ router.T, part, cfg.top_k)
+    dense_out = act @ down.T
     new_down = None
     if cfg.compensate:
-        new_down, info = refit_down(act, mask, down)
+        new_down, info = refit_down(act, mask, down, dense_out=dense_out)
         metrics.update(refit_ridge=info["ridge"], rel_error_before=info["holdout_rel_error_before"],
                        rel_error_after=info["holdout_rel_error_after"])
     used_down = down if new_down is None else new_down
     out = (act * mask) @ used_down.T
-    dense_out = act @ down.T
     metrics["rel_error"] = ((out - dense_out).pow(2).sum() / dense_out.pow(2).sum().clamp_min(1e-30)).item()
     cpu_part = Partition(part.perm.cpu(), part.n_shared, part.n_experts, part.expert_width)
     layer = CarvedLayer(cpu_part, router.cpu(), unit_gate_scale(router, norm_weight, cfg.gate_tolerance),

@@ -370,8 +370,8 @@ class ShardLayout:
         return sum(t.nbytes for f in self.files for t in f)
 
 
-def _header_bytes(tensors: list[TensorInfo]) -> bytes:
-    header: dict = {"__metadata__": {"format": "pt"}}
+def _header_bytes(tensors: list[TensorInfo], metadata: dict[str, str] | None = None) -> bytes:
+    header: dict = {"__metadata__": {"format": "pt", **(metadata or {})}}
     offset = 0
     for t in tensors:
         header[t.name] = {"dtype": TORCH_TO_ST[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
@@ -447,8 +447,9 @@ def _direct_io_wanted() -> bool:
 class ShardWriter:
     """Streams tensors, in the planned order, into the planned shard files under `out_dir`."""
 
-    def __init__(self, out_dir: Path, layout: ShardLayout):
+    def __init__(self, out_dir: Path, layout: ShardLayout, metadata: dict[str, str] | None = None):
         self.out_dir = out_dir
+        self.metadata = metadata  # extra safetensors __metadata__ entries of every shard
         self.layout = layout
         self.names = layout.file_names()
         self.order = [t for f in layout.files for t in f]
@@ -480,7 +481,7 @@ class ShardWriter:
         tensors = self.layout.files[self._file_idx]
         self._file_end = self._next + len(tensors)
         self._fh = self._open(self.out_dir / self.names[self._file_idx])
-        self._fh.write(_header_bytes(tensors))
+        self._fh.write(_header_bytes(tensors, self.metadata))
 
     def _open(self, path: Path):
         """O_DIRECT where the platform and filesystem allow it (MOEIFY_DIRECT_IO=0 turns it off), else buffered."""

@@ -27,60 +27,154 @@ def routing_mask(scores: torch.Tensor, part: Partition, k: int) -> torch.Tensor:
     return chosen[:, labels]
 
 
-def _sq_error(ztz, zty, yty, d_t):
-    """sum ||Y - Z D'^T||^2 from Gram matrices; d_t = D'^T (d_ff, d_model)."""
-    return (yty - 2 * (d_t * zty).sum() + (d_t * (ztz @ d_t)).sum()).item()
+class _Masked:
+    """Z = act * mask in float64, stored by column groups: the columns with one mask pattern (an expert's neurons,
+    or the shared ones) are active on the same tokens, so Z is block sparse; products touch only the active
+    blocks (top-k of N experts: a (k/N)^2 share of the dense Gram cost). Falls back to the dense Z when the mask
+    has no such structure."""
+
+    MAX_GROUPS = 512
+
+    def __init__(self, act: torch.Tensor, mask: torch.Tensor):
+        self.n, self.d_ff = act.shape
+        self.groups = self._groups(mask)
+        if self.groups is None:
+            self.z = (act * mask).double()
+        else:  # (token rows, neuron cols, A[rows][:, cols]) per group
+            self.groups = [(rows, cols, act[rows][:, cols].double()) for rows, cols in self.groups]
+
+    def _groups(self, mask: torch.Tensor):
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        key = mask.T.double() @ torch.rand(self.n, generator=gen, dtype=torch.float64).to(mask.device)  # (d_ff,)
+        uniq, inverse = torch.unique(key, return_inverse=True)
+        if uniq.numel() > self.MAX_GROUPS:
+            return None
+        groups = []
+        for g in range(uniq.numel()):
+            cols = (inverse == g).nonzero().flatten()
+            if not torch.equal(mask[:, cols], mask[:, cols[:1]].expand(-1, cols.numel())):
+                return None  # a hash collision (or an unstructured mask): use the dense form
+            rows = mask[:, cols[0]].nonzero().flatten()
+            if rows.numel():
+                groups.append((rows, cols))
+        dense_cost = self.n * self.n * self.d_ff
+        if sum(r.numel() ** 2 * c.numel() for r, c in groups) * 2 > dense_cost:
+            return None
+        return groups
+
+    def matmul(self, b: torch.Tensor) -> torch.Tensor:
+        """Z @ b, b: (d_ff, m) -> (n, m)."""
+        if self.groups is None:
+            return self.z @ b
+        out = torch.zeros(self.n, b.shape[1], dtype=torch.float64, device=b.device)
+        for rows, cols, a in self.groups:
+            out.index_add_(0, rows, a @ b[cols])
+        return out
+
+    def t_matmul(self, x: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
+        """Z[rows]^T @ x, x: (len(rows), m) -> (d_ff, m)."""
+        if self.groups is None:
+            return self.z[rows].T @ x
+        lo = rows.start or 0
+        out = torch.zeros(self.d_ff, x.shape[1], dtype=torch.float64, device=x.device)
+        for r, cols, a in self.groups:
+            keep = (r >= lo) & (r < (self.n if rows.stop is None else rows.stop))
+            out[cols] = a[keep].T @ x[r[keep] - lo]
+        return out
+
+    def token_gram(self) -> torch.Tensor:
+        """Z Z^T (n, n)."""
+        if self.groups is None:
+            return self.z @ self.z.T
+        k = torch.zeros(self.n, self.n, dtype=torch.float64, device=self.groups[0][2].device)
+        for rows, _, a in self.groups:
+            k[rows.unsqueeze(1), rows.unsqueeze(0)] += a @ a.T  # rows are distinct: no repeated index
+        return k
+
+    def neuron_gram(self, rows: slice) -> torch.Tensor:
+        """Z[rows]^T Z[rows] (d_ff, d_ff)."""
+        if self.groups is None:
+            z = self.z[rows]
+            return z.T @ z
+        lo, hi = rows.start or 0, self.n if rows.stop is None else rows.stop
+        device = self.groups[0][2].device
+        active = torch.zeros(len(self.groups), self.n, dtype=torch.bool, device=device)
+        for g, (r, _, _) in enumerate(self.groups):
+            active[g, r] = True
+        active[:, :lo] = False
+        active[:, hi:] = False
+        pos = [torch.full((self.n,), -1, dtype=torch.long, device=device) for _ in self.groups]
+        for g, (r, _, _) in enumerate(self.groups):
+            pos[g][r] = torch.arange(r.numel(), device=device)
+        out = torch.zeros(self.d_ff, self.d_ff, dtype=torch.float64, device=device)
+        for g, (_, cols_g, a_g) in enumerate(self.groups):
+            for h in range(g, len(self.groups)):
+                both = (active[g] & active[h]).nonzero().flatten()
+                if both.numel() == 0:
+                    continue
+                cols_h, a_h = self.groups[h][1], self.groups[h][2]
+                block = a_g[pos[g][both]].T @ a_h[pos[h][both]]
+                out[cols_g.unsqueeze(1), cols_h.unsqueeze(0)] = block
+                if h != g:
+                    out[cols_h.unsqueeze(1), cols_g.unsqueeze(0)] = block.T
+        return out
+
+
+def _chol_solve(g: torch.Tensor, rhs: torch.Tensor, reg: torch.Tensor) -> torch.Tensor:
+    """(g + reg I)^-1 rhs for symmetric positive semi-definite g (Cholesky; LU if it fails numerically)."""
+    g = g.clone()
+    g.diagonal().add_(reg)
+    chol, bad = torch.linalg.cholesky_ex(g)
+    return torch.linalg.solve(g, rhs) if bad.item() else torch.cholesky_solve(rhs, chol)
 
 
 def refit_down(act: torch.Tensor, mask: torch.Tensor, down: torch.Tensor, holdout: float = 0.1,
-               strengths: tuple[float, ...] = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)) -> tuple[torch.Tensor, dict]:
+               strengths: tuple[float, ...] = (1e-4, 1e-3, 1e-2, 1e-1, 1.0),
+               dense_out: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """act: (n, d_ff) activations, mask: (n, d_ff) bool, down: (d_model, d_ff). Returns (D' (d_model, d_ff), info).
+    `dense_out`: act @ down.T when the caller has it (float32: saves a float64 product; the refit then agrees
+    with the float64 one to ~1e-6 relative, the sensitivity of the solution to float32 activations anyway).
 
-    Solved as a correction of D: with R = Y - Z D^T = ((1 - m) * a) D^T (the output of the dropped neurons),
-    the ridge solution above is D'^T = D^T + (Z^T Z + lam I)^-1 Z^T R. With fewer tokens than neurons the
-    push-through identity (Z^T Z + lam I)^-1 Z^T = Z^T (Z Z^T + lam I)^-1 solves it in token space (n x n
-    instead of d_ff x d_ff). Each strength is a Cholesky solve; its held-back error is ||R_h - Z_h delta||^2.
-    The same minimiser as the normal equations, in float64, a fraction of their cost.
+    Solved as a correction of D: with R = Y - Z D^T (the output of the dropped neurons), the ridge solution
+    above is D'^T = D^T + (Z^T Z + lam I)^-1 Z^T R. With fewer tokens than neurons the push-through identity
+    (Z^T Z + lam I)^-1 Z^T = Z^T (Z Z^T + lam I)^-1 solves it in token space (n x n instead of d_ff x d_ff),
+    and the held-back prediction Z_h delta = K_hf (K_ff + lam I)^-1 R_f = ((K_ff + lam I)^-1 K_fh)^T R_f needs
+    only as many right-hand sides as held-back tokens. Z is block sparse (an expert's neurons are active on the
+    same tokens), and the Gram matrices are built from its active blocks. Cholesky solves in float64: the same
+    minimiser as the normal equations, at a fraction of their cost.
     """
     n, d_ff = act.shape
     n_fit = n - max(1, int(holdout * n))
+    fit, hold = slice(0, n_fit), slice(n_fit, n)
     d_t = down.double().T  # (d_ff, d_model)
-    z = (act * mask).double()  # (n, d_ff) kept activations
-    r = (act * ~mask).double() @ d_t  # (n, d_model) residual of the dense down_proj under this routing
-    y_h = act[n_fit:].double() @ d_t
-    base = r[n_fit:].square().sum().item()
-    denom = max(y_h.square().sum().item(), 1e-30)
-
-    def chol_solve(g: torch.Tensor, rhs: torch.Tensor, reg: torch.Tensor) -> torch.Tensor:
-        g = g.clone()
-        g.diagonal().add_(reg)
-        chol, bad = torch.linalg.cholesky_ex(g)
-        return torch.linalg.solve(g, rhs) if bad.item() else torch.cholesky_solve(rhs, chol)
-
+    z = _Masked(act, mask)
+    y = act.double() @ d_t if dense_out is None else dense_out.double()  # (n, d_model) dense output
+    r = y - z.matmul(d_t)  # (n, d_model) residual of the dense down_proj under this routing
+    base = r[hold].square().sum().item()
+    denom = max(y[hold].square().sum().item(), 1e-30)
+    del y
+    errors = {}
     if n <= d_ff:  # token space: K = Z Z^T; delta = Z^T (K + reg I)^-1 R
-        k = z @ z.T
-        k_ff, k_hf = k[:n_fit, :n_fit], k[n_fit:, :n_fit]
+        k = z.token_gram()
+        k_ff, k_fh = k[fit, fit], k[fit, hold]
         scale_fit = k_ff.diagonal().sum() / d_ff  # mean diagonal of Z_f^T Z_f
-        errors = {}
         for lam in strengths:
-            x = chol_solve(k_ff, r[:n_fit], lam * scale_fit.clamp_min(1e-12))
-            errors[lam] = (r[n_fit:] - k_hf @ x).square().sum().item()
+            pred = _chol_solve(k_ff, k_fh, lam * scale_fit.clamp_min(1e-12)).T @ r[fit]
+            errors[lam] = (r[hold] - pred).square().sum().item()
 
         def final(lam):
-            return z.T @ chol_solve(k, r, lam * (k.diagonal().sum() / d_ff).clamp_min(1e-12))
+            return z.t_matmul(_chol_solve(k, r, lam * (k.diagonal().sum() / d_ff).clamp_min(1e-12)))
     else:  # neuron space: G = Z^T Z; delta = (G + reg I)^-1 Z^T R
-        z_f, z_h = z[:n_fit], z[n_fit:]
-        g_f, g_h = z_f.T @ z_f, z_h.T @ z_h
-        b_f, b_h = z_f.T @ r[:n_fit], z_h.T @ r[n_fit:]
+        g_f, b_f = z.neuron_gram(fit), z.t_matmul(r[fit], fit)
         scale_fit = g_f.diagonal().mean()
-        errors = {}
+        hold_z = _Masked(act[hold], mask[hold])
         for lam in strengths:
-            delta = chol_solve(g_f, b_f, lam * scale_fit.clamp_min(1e-12))
-            errors[lam] = (r[n_fit:] - z_h @ delta).square().sum().item()
+            delta = _chol_solve(g_f, b_f, lam * scale_fit.clamp_min(1e-12))
+            errors[lam] = (r[hold] - hold_z.matmul(delta)).square().sum().item()
 
         def final(lam):
-            g = g_f + g_h
-            return chol_solve(g, b_f + b_h, lam * g.diagonal().mean().clamp_min(1e-12))
+            g = g_f + z.neuron_gram(hold)
+            return _chol_solve(g, b_f + z.t_matmul(r[hold], hold), lam * g.diagonal().mean().clamp_min(1e-12))
     best = min(strengths, key=lambda lam: (errors[lam], -lam))
     info = {"ridge": best, "holdout_rel_error_before": base / denom, "holdout_rel_error_after": errors[best] / denom}
     if errors[best] >= base:  # no strength helps on held-back tokens: keep the dense down_proj

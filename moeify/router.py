@@ -87,14 +87,18 @@ def fit_router(x: torch.Tensor, norms: torch.Tensor, k: int, holdout: float = 0.
     target = target - target.mean(1, keepdim=True)
     n_fit = x.shape[0] - max(1, int(holdout * x.shape[0]))
 
-    def solve(xs, ts, lam):
-        g = xs.T @ xs
+    def solve(g, b, lam):
+        g = g.clone()
         g.diagonal().add_(lam * g.diagonal().mean())
-        return torch.linalg.solve(g, xs.T @ ts).T  # (E, d)
+        return torch.linalg.solve(g, b).T  # (E, d)
 
+    # Gram matrices once (not once per strength): fit rows, held-back rows, and their sum for the final fit
+    x_f, x_h = x[:n_fit], x[n_fit:]
+    g_f, b_f = x_f.T @ x_f, x_f.T @ target[:n_fit]
     scores = {}
     for lam in strengths:
-        w = solve(x[:n_fit], target[:n_fit], lam)
-        scores[lam] = topk_agreement(x[n_fit:] @ w.T, norms[n_fit:], k)
+        w = solve(g_f, b_f, lam)
+        scores[lam] = topk_agreement(x_h @ w.T, norms[n_fit:], k)
     best = max(strengths, key=lambda lam: (scores[lam], lam))
-    return solve(x, target, best).float(), {"ridge": best, "holdout_agreement": scores[best]}
+    g, b = g_f + x_h.T @ x_h, b_f + x_h.T @ target[n_fit:]
+    return solve(g, b, best).float(), {"ridge": best, "holdout_agreement": scores[best]}

@@ -181,14 +181,22 @@ def _refit_normal_equations(act, mask, down, holdout=0.1, strengths=(1e-4, 1e-3,
     return solve(slice(0, n), best).T.float(), best
 
 
-@pytest.mark.parametrize("n,d_ff", [(600, 48), (96, 160)])  # neuron space (n > d_ff) and token space (n <= d_ff)
-def test_refit_matches_normal_equations(n, d_ff):
-    gen = torch.Generator().manual_seed(n)
+@pytest.mark.parametrize("n,d_ff,n_shared,routed", [(600, 48, 0, True), (96, 160, 0, True), (600, 56, 8, True),
+                                                     (96, 168, 8, True), (300, 40, 0, False), (40, 120, 0, False)])
+def test_refit_matches_normal_equations(n, d_ff, n_shared, routed):
+    """Token space (n <= d_ff) and neuron space, block-sparse (routed experts, with and without shared neurons)
+    and dense (an unstructured mask) products."""
+    gen = torch.Generator().manual_seed(n + d_ff)
     act = torch.randn(n, 6, generator=gen) @ torch.randn(6, d_ff, generator=gen) + 0.1 * torch.randn(n, d_ff, generator=gen)
     down = torch.randn(12, d_ff, generator=gen)
-    part = Partition(torch.randperm(d_ff, generator=gen), 0, 8, d_ff // 8)
-    mask = routing_mask(torch.randn(n, 8, generator=gen), part, k=2)
+    if routed:
+        part = Partition(torch.randperm(d_ff, generator=gen), n_shared, 8, (d_ff - n_shared) // 8)
+        mask = routing_mask(torch.randn(n, 8, generator=gen), part, k=2)
+    else:
+        mask = torch.rand(n, d_ff, generator=gen) < 0.4
     new, info = refit_down(act, mask, down)
     ref, best = _refit_normal_equations(act, mask, down)
     assert info["ridge"] == best
     assert torch.allclose(new, ref, rtol=1e-5, atol=1e-6)
+    with_dense_out, _ = refit_down(act, mask, down, dense_out=act @ down.T)  # float32 dense output: ~1e-6
+    assert torch.allclose(with_dense_out, ref, rtol=1e-4, atol=1e-5)
