@@ -194,6 +194,9 @@ class CheckpointReader:
                 self.file_of[name] = shard
         self._open_path: Path | None = None
         self._open = None
+        self._pool = None  # the read-ahead thread (prefetch), started on first use
+        self._ahead: dict = {}  # name -> Future of the tensor read ahead
+        self._ahead_fh, self._ahead_path = None, None
 
     def _shards(self, allow_pickle: bool) -> list[Path]:
         index = self.root / INDEX_NAME
@@ -271,8 +274,15 @@ class CheckpointReader:
         path = self.file_of.get(name)
         if path is None:
             raise MoeifyError(f"tensor {name} is missing from {self.root}", "the checkpoint is incomplete or not a supported layout")
+        ahead = self._ahead.pop(name, None)
+        if ahead is not None:
+            try:
+                tensor = ahead.result()
+            except Exception as exc:
+                raise MoeifyError(f"tensor {name} in {path} could not be read ({exc})", "re-download this shard") from None
+            return self._checked(name, path, tensor)
         if path != self._open_path:
-            self.close()
+            self._close_open()
             if self.pickled:
                 self._open = self._load_pickle(path)
             else:
@@ -284,9 +294,12 @@ class CheckpointReader:
                     raise MoeifyError(f"{path} could not be opened ({exc})", "re-download this shard") from None
             self._open_path = path
         try:
-            tensor = self._open[name] if self.pickled else self._read(name)
+            tensor = self._open[name] if self.pickled else self._read(name, self._open)
         except Exception as exc:
             raise MoeifyError(f"tensor {name} in {path} could not be read ({exc})", "re-download this shard") from None
+        return self._checked(name, path, tensor)
+
+    def _checked(self, name: str, path: Path, tensor: torch.Tensor) -> torch.Tensor:
         bad = first_nonfinite(tensor)
         if bad is not None:
             count, first, value = bad
@@ -299,44 +312,71 @@ class CheckpointReader:
             self.nonfinite[name] = count
         return tensor
 
-    def prefetch(self, names) -> None:
-        """Ask the kernel to start reading these tensors into the page cache (asynchronous readahead), so a
-        later get() copies from memory instead of waiting for the disk."""
-        if self.pickled or not hasattr(os, "posix_fadvise"):
-            return
-        for name in names:
-            path, span = self.file_of.get(name), self._span.get(name)
-            if path is None or span is None:
-                continue
-            try:
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, span[0], span[1] - span[0], os.POSIX_FADV_WILLNEED)
-                finally:
-                    os.close(fd)
-            except OSError:
-                pass  # only a hint
+    def location(self, name: str) -> tuple[str, int]:
+        """(shard file name, byte offset) of a tensor: sort names by it for sequential reads."""
+        return self.file_of[name].name, self._span.get(name, (0, 0))[0]
 
-    def _read(self, name: str) -> torch.Tensor:
+    def prefetch(self, names) -> None:
+        """Start reading these tensors on a background thread (in order, one at a time), so that a later get()
+        takes them from memory instead of waiting for the disk while the caller computes. The caller bounds the
+        memory: what it prefetches stays resident until it get()s it (convert: the next layer, ~0.5 GB at 8B)."""
+        if self.pickled:
+            return
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeify-reader")
+        for name in names:
+            if name in self._span and name not in self._ahead:
+                self._ahead[name] = self._pool.submit(self._read_ahead, name)
+
+    def _read_ahead(self, name: str) -> torch.Tensor:
+        """On the reader thread: its own file handle (the caller's stays where it is). File reads release the
+        GIL, so the disk works while the caller computes."""
+        path = self.file_of[name]
+        if self._ahead_path != path:
+            if self._ahead_fh is not None:
+                self._ahead_fh.close()
+            self._ahead_fh, self._ahead_path = None, None
+            self._ahead_fh = open(path, "rb", buffering=0)
+            self._ahead_path = path
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(self._ahead_fh.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        return self._read(name, self._ahead_fh)
+
+    def _read(self, name: str, fh) -> torch.Tensor:
         """Read one tensor's bytes straight into a new tensor with plain reads (no mmap): the process holds only
         the tensors it keeps, not the touched pages of a mapped 5 GB shard (which count in its RSS)."""
         info, (start, stop) = self.tensors[name], self._span[name]
         tensor = torch.empty(info.shape, dtype=info.dtype)
         buf = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
-        self._open.seek(start)
+        fh.seek(start)
         done = 0
         while done < stop - start:
-            n = self._open.readinto(buf[done:])
+            n = fh.readinto(buf[done:])
             if not n:
                 raise OSError(f"file ends {stop - start - done} bytes early")
             done += n
         return tensor
 
-    def close(self) -> None:
+    def _close_open(self) -> None:
         if self._open is not None and not self.pickled:
             self._open.close()
         self._open = None
         self._open_path = None
+
+    def close(self) -> None:
+        """Close the open shards and stop the read-ahead thread (dropping what it read and nobody took)."""
+        self._close_open()
+        if self._pool is not None:
+            for fut in self._ahead.values():
+                fut.cancel()
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._ahead.clear()
+        if self._ahead_fh is not None:
+            self._ahead_fh.close()
+        self._ahead_fh, self._ahead_path = None, None
 
 
 # ----------------------------------------------------------------------------------------------- writing

@@ -235,6 +235,7 @@ def run_conversion(plan: ConversionPlan, out: str | Path, *, overwrite: bool = F
     except BaseException:
         if writer is not None:
             writer.abort()
+        plan.reader.close()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return report
@@ -248,11 +249,14 @@ def _write_tensors(plan: ConversionPlan, writer: ShardWriter, carved: dict[int, 
                    progress: Progress | None) -> list[dict]:
     src, cfg, dtype, reader = plan.src, plan.cfg, plan.out_dtype, plan.reader
     layers_report = []
+    # A reader thread reads the next layer while this one is carved and the writer thread writes the last one,
+    # so the disk never waits for the clustering; one layer is read ahead (memory stays bounded).
+    reader.prefetch(layer_tensor_names(reader, 0))
     writer.write("model.embed_tokens.weight", reader.get("model.embed_tokens.weight").to(dtype))
     for i in range(src.n_layers):
         p = f"model.layers.{i}."
-        if i + 1 < src.n_layers:  # the kernel reads the next layer from disk while this one is carved and written
-            reader.prefetch(n for n in reader.tensors if n.startswith(f"model.layers.{i + 1}."))
+        if i + 1 < src.n_layers:
+            reader.prefetch(layer_tensor_names(reader, i + 1))
         for name in ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
                      "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight"):
             writer.write(p + name, reader.get(p + name).to(dtype))
@@ -279,6 +283,12 @@ def _write_tensors(plan: ConversionPlan, writer: ShardWriter, carved: dict[int, 
         name = "lm_head.weight" if "lm_head.weight" in reader.tensors and not src.tied else "model.embed_tokens.weight"
         writer.write("lm_head.weight", reader.get(name).to(dtype))
     return layers_report
+
+
+def layer_tensor_names(reader: CheckpointReader, i: int) -> list[str]:
+    """The tensors of decoder layer i, in the order they lie on disk (sequential reads)."""
+    prefix = f"model.layers.{i}."
+    return sorted((n for n in reader.tensors if n.startswith(prefix)), key=reader.location)
 
 
 def _write_metadata(plan: ConversionPlan, tmp: Path, layers_report: list[dict], seconds: float,

@@ -18,6 +18,7 @@ from conftest import load
 from moeify.checkpoint import BackgroundWriter, CheckpointReader, ShardLayout, ShardWriter, TensorInfo, first_nonfinite
 from moeify.compensate import refit_down, routing_mask
 from moeify.config import build_config
+from moeify.errors import MoeifyError
 from moeify.convert import _scaled, plan_conversion, run_conversion
 from moeify.partition import Partition, _balanced_assign_ssp, balanced_assign, balanced_kmeans
 
@@ -93,6 +94,50 @@ def test_writer_streams_bytes_that_read_back(tmp_path, monkeypatch, direct):
         assert got.dtype == t.dtype and torch.equal(got, data[t.name])
         with safe_open(str(reader.file_of[t.name]), "pt") as f:  # the reference reader agrees
             assert torch.equal(f.get_tensor(t.name), got)
+
+
+def _written(tmp_path):
+    infos, data = _tensors()
+    writer = ShardWriter(tmp_path, ShardLayout.plan(infos, 3000))
+    for t in infos:
+        writer.write(t.name, data[t.name])
+    writer.finish()
+    return infos, data
+
+
+def test_read_ahead_returns_the_same_tensors_across_shards(tmp_path):
+    infos, data = _written(tmp_path)
+    reader = CheckpointReader(tmp_path)
+    assert len(set(reader.file_of.values())) > 1
+    names = sorted(reader.tensors, key=reader.location)
+    assert [reader.location(n) for n in names] == sorted(reader.location(n) for n in names)
+    reader.prefetch(names[::2])  # every other tensor read ahead, the rest read directly, interleaved
+    for name in reversed(names):
+        got = reader.get(name)
+        assert got.dtype == data[name].dtype and torch.equal(got, data[name]), name
+    assert not reader._ahead  # every read-ahead tensor was handed over (none kept in memory)
+    reader.prefetch(names[:3])
+    reader.close()  # unclaimed read-ahead tensors are dropped and the thread stops
+    assert reader._pool is None and not reader._ahead
+
+
+def test_read_ahead_errors_and_nonfinite_surface_in_get(tmp_path):
+    infos, data = _written(tmp_path)
+    reader = CheckpointReader(tmp_path)
+    name = "t4"
+    path = reader.file_of[name]
+    raw = bytearray(path.read_bytes())
+    start, _ = reader._span[name]
+    raw[start:start + 2] = torch.tensor([float("nan")], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    path.write_bytes(bytes(raw))
+    reader.prefetch([name])
+    with pytest.raises(MoeifyError, match=rf"tensor {name} in {path.name} has 1 NaN/Inf value\(s\)"):
+        reader.get(name)
+    path.write_bytes(bytes(raw[: reader._span[name][1] - 10]))  # truncated after the headers were read
+    reader.prefetch([name])
+    with pytest.raises(MoeifyError, match=rf"tensor {name} in .*{path.name} could not be read .*file ends 10 bytes early"):
+        reader.get(name)
+    reader.close()
 
 
 def test_direct_and_buffered_outputs_are_identical(tmp_path, monkeypatch):
