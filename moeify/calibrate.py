@@ -214,6 +214,8 @@ def calibrate_and_carve(plan, tmp: Path, progress=None) -> tuple[dict, dict]:
     carved = {}
     for i in range(src.n_layers):
         layer = model.load_layer(i)
+        if i + 1 < src.n_layers:
+            reader.prefetch(reader.layer_tensors(i + 1))  # read from disk while this layer computes
         h_mid, x = model.attention(layer)
         x = x.reshape(-1, x.shape[-1])
         mlp = layer.mlp
@@ -227,15 +229,15 @@ def calibrate_and_carve(plan, tmp: Path, progress=None) -> tuple[dict, dict]:
                 (tmp / "calibration").mkdir(exist_ok=True)
                 stats_files.append(tmp / "calibration" / f"layer-{i}.safetensors")
                 save_file(stats.to_dict(i), str(stats_files[-1]))
-            carved_layer, carved_out = carve_calibrated(x, gate, up, down, layer.post_attention_layernorm.weight.data,
+            carved_layer, carved_out, dense_out = carve_calibrated(x, gate, up, down, layer.post_attention_layernorm.weight.data,
                                                         cfg, stats, act=act)
             if carved_layer.down is not None:
                 save_file({"down": carved_layer.down.to(plan.out_dtype).contiguous()},
                           str(tmp / SPILL_DIR / f"{i}.safetensors"))
                 carved_layer.down = torch.empty(0)  # marker: spilled (read back when writing)
             carved[i] = carved_layer
-            model.advance(h_mid, carved_out if cfg.calib_feed == "moe" else F.linear(act, down))  # = mlp(x)
-        del layer, h_mid, x, act
+            model.advance(h_mid, carved_out if cfg.calib_feed == "moe" else dense_out)  # dense: = mlp(x)
+        del layer, h_mid, x, act, carved_out, dense_out
         if progress:
             progress("calibrating", i + 1, src.n_layers)
     info = {"tokens": int(tokens.numel()), "seq_len": seq_len, "device": device, "feed": cfg.calib_feed}

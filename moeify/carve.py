@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .compensate import refit_down, routing_mask
+from .compensate import refit_down, routed_output, routing_mask
 from .partition import Partition, partition_from_stats, partition_neurons
 from .router import build_router, expert_output_norms, fit_router, topk_agreement, unit_gate_scale
 
@@ -45,12 +45,12 @@ def carve_weight_only(gate, up, down, norm_weight, cfg) -> CarvedLayer:
 
 @torch.no_grad()
 def carve_calibrated(x: torch.Tensor, gate, up, down, norm_weight, cfg, stats=None,
-                     act=None) -> tuple[CarvedLayer, torch.Tensor]:
+                     act=None) -> tuple[CarvedLayer, torch.Tensor, torch.Tensor]:
     """Carve one FFN using its calibration inputs x (n_tokens, d_model), all float32 on one device.
     `act`: ffn_activations(x, gate, up) when the caller has already computed them.
 
-    Returns the carved layer and the carved FFN's output on x (n_tokens, d_model), which the next layer
-    is fed with when calibrating on carved outputs.
+    Returns the carved layer, the carved FFN's output on x (n_tokens, d_model), which the next layer is fed
+    with when calibrating on carved outputs, and the dense FFN's output on x (the dense feed; summed by expert).
     """
     from .calibrate import ffn_activations, neuron_stats
 
@@ -65,7 +65,7 @@ def carve_calibrated(x: torch.Tensor, gate, up, down, norm_weight, cfg, stats=No
         part = partition_neurons(cfg.method, gate.cpu(), up.cpu(), down.cpu(), n_experts=cfg.experts,
                                  n_shared=n_shared, seed=cfg.seed, kmeans_iters=cfg.kmeans_iters, device=x.device)
     part = Partition(part.perm.to(x.device), part.n_shared, part.n_experts, part.expert_width)
-    norms = expert_output_norms(act, down, part)  # (n, E) the oracle's ranking signal
+    norms, dense_out = expert_output_norms(act, down, part)  # (n, E) the oracle's ranking signal; act @ down.T
     n_hold = max(1, x.shape[0] // 10)
     metrics = {}
     for kind in WEIGHT_ROUTERS:  # report every router's agreement with the oracle on held-back tokens
@@ -77,17 +77,15 @@ def carve_calibrated(x: torch.Tensor, gate, up, down, norm_weight, cfg, stats=No
         metrics["router_ridge"] = info["ridge"]
     else:
         router = build_router(cfg.router, gate, part)
-    mask = routing_mask(x @ router.T, part, cfg.top_k)
-    dense_out = act @ down.T
+    scores = x @ router.T
     new_down = None
     if cfg.compensate:
-        new_down, info = refit_down(act, mask, down, dense_out=dense_out)
+        new_down, info = refit_down(act, routing_mask(scores, part, cfg.top_k), down, dense_out=dense_out)
         metrics.update(refit_ridge=info["ridge"], rel_error_before=info["holdout_rel_error_before"],
                        rel_error_after=info["holdout_rel_error_after"])
-    used_down = down if new_down is None else new_down
-    out = (act * mask) @ used_down.T
+    out = routed_output(act, scores, part, cfg.top_k, down if new_down is None else new_down)
     metrics["rel_error"] = ((out - dense_out).pow(2).sum() / dense_out.pow(2).sum().clamp_min(1e-30)).item()
     cpu_part = Partition(part.perm.cpu(), part.n_shared, part.n_experts, part.expert_width)
     layer = CarvedLayer(cpu_part, router.cpu(), unit_gate_scale(router, norm_weight, cfg.gate_tolerance),
                         None if new_down is None else new_down.cpu(), metrics)
-    return layer, out
+    return layer, out, dense_out

@@ -316,6 +316,11 @@ class CheckpointReader:
         """(shard file name, byte offset) of a tensor: sort names by it for sequential reads."""
         return self.file_of[name].name, self._span.get(name, (0, 0))[0]
 
+    def layer_tensors(self, i: int) -> list[str]:
+        """The tensors of decoder layer i, in the order they lie on disk (sequential reads)."""
+        prefix = f"model.layers.{i}."
+        return sorted((n for n in self.tensors if n.startswith(prefix)), key=self.location)
+
     def prefetch(self, names) -> None:
         """Start reading these tensors on a background thread (in order, one at a time), so that a later get()
         takes them from memory instead of waiting for the disk while the caller computes. The caller bounds the

@@ -27,6 +27,22 @@ def routing_mask(scores: torch.Tensor, part: Partition, k: int) -> torch.Tensor:
     return chosen[:, labels]
 
 
+def routed_output(act: torch.Tensor, scores: torch.Tensor, part: Partition, k: int, down: torch.Tensor) -> torch.Tensor:
+    """(act * routing_mask(scores, part, k)) @ down.T, computed from the active blocks only: the shared neurons on
+    every token, each expert's neurons on the tokens that chose it (top-k of N experts: ~k/N of the dense cost)."""
+    out = torch.zeros(act.shape[0], down.shape[0], dtype=act.dtype, device=act.device)
+    if part.n_shared:
+        idx = part.shared_neurons.to(act.device)
+        out += act[:, idx] @ down[:, idx].T
+    chosen = scores.topk(k, dim=1).indices
+    for e in range(part.n_experts):
+        rows = (chosen == e).any(dim=1).nonzero().flatten()
+        if rows.numel():
+            idx = part.expert_neurons(e).to(act.device)
+            out.index_add_(0, rows, act[rows][:, idx] @ down[:, idx].T)
+    return out
+
+
 class _Masked:
     """Z = act * mask in float64, stored by column groups: the columns with one mask pattern (an expert's neurons,
     or the shared ones) are active on the same tokens, so Z is block sparse; products touch only the active
@@ -120,7 +136,7 @@ class _Masked:
         return out
 
 
-def _chol_solve(g: torch.Tensor, rhs: torch.Tensor, reg: torch.Tensor) -> torch.Tensor:
+def chol_solve(g: torch.Tensor, rhs: torch.Tensor, reg: torch.Tensor) -> torch.Tensor:
     """(g + reg I)^-1 rhs for symmetric positive semi-definite g (Cholesky; LU if it fails numerically)."""
     g = g.clone()
     g.diagonal().add_(reg)
@@ -159,22 +175,22 @@ def refit_down(act: torch.Tensor, mask: torch.Tensor, down: torch.Tensor, holdou
         k_ff, k_fh = k[fit, fit], k[fit, hold]
         scale_fit = k_ff.diagonal().sum() / d_ff  # mean diagonal of Z_f^T Z_f
         for lam in strengths:
-            pred = _chol_solve(k_ff, k_fh, lam * scale_fit.clamp_min(1e-12)).T @ r[fit]
+            pred = chol_solve(k_ff, k_fh, lam * scale_fit.clamp_min(1e-12)).T @ r[fit]
             errors[lam] = (r[hold] - pred).square().sum().item()
 
         def final(lam):
-            return z.t_matmul(_chol_solve(k, r, lam * (k.diagonal().sum() / d_ff).clamp_min(1e-12)))
+            return z.t_matmul(chol_solve(k, r, lam * (k.diagonal().sum() / d_ff).clamp_min(1e-12)))
     else:  # neuron space: G = Z^T Z; delta = (G + reg I)^-1 Z^T R
         g_f, b_f = z.neuron_gram(fit), z.t_matmul(r[fit], fit)
         scale_fit = g_f.diagonal().mean()
         hold_z = _Masked(act[hold], mask[hold])
         for lam in strengths:
-            delta = _chol_solve(g_f, b_f, lam * scale_fit.clamp_min(1e-12))
+            delta = chol_solve(g_f, b_f, lam * scale_fit.clamp_min(1e-12))
             errors[lam] = (r[hold] - hold_z.matmul(delta)).square().sum().item()
 
         def final(lam):
             g = g_f + z.neuron_gram(hold)
-            return _chol_solve(g, b_f + z.t_matmul(r[hold], hold), lam * g.diagonal().mean().clamp_min(1e-12))
+            return chol_solve(g, b_f + z.t_matmul(r[hold], hold), lam * g.diagonal().mean().clamp_min(1e-12))
     best = min(strengths, key=lambda lam: (errors[lam], -lam))
     info = {"ridge": best, "holdout_rel_error_before": base / denom, "holdout_rel_error_after": errors[best] / denom}
     if errors[best] >= base:  # no strength helps on held-back tokens: keep the dense down_proj

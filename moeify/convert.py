@@ -251,12 +251,12 @@ def _write_tensors(plan: ConversionPlan, writer: ShardWriter, carved: dict[int, 
     layers_report = []
     # A reader thread reads the next layer while this one is carved and the writer thread writes the last one,
     # so the disk never waits for the clustering; one layer is read ahead (memory stays bounded).
-    reader.prefetch(layer_tensor_names(reader, 0))
+    reader.prefetch(reader.layer_tensors(0))
     writer.write("model.embed_tokens.weight", reader.get("model.embed_tokens.weight").to(dtype))
     for i in range(src.n_layers):
         p = f"model.layers.{i}."
         if i + 1 < src.n_layers:
-            reader.prefetch(layer_tensor_names(reader, i + 1))
+            reader.prefetch(reader.layer_tensors(i + 1))
         for name in ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
                      "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight"):
             writer.write(p + name, reader.get(p + name).to(dtype))
@@ -283,12 +283,6 @@ def _write_tensors(plan: ConversionPlan, writer: ShardWriter, carved: dict[int, 
         name = "lm_head.weight" if "lm_head.weight" in reader.tensors and not src.tied else "model.embed_tokens.weight"
         writer.write("lm_head.weight", reader.get(name).to(dtype))
     return layers_report
-
-
-def layer_tensor_names(reader: CheckpointReader, i: int) -> list[str]:
-    """The tensors of decoder layer i, in the order they lie on disk (sequential reads)."""
-    prefix = f"model.layers.{i}."
-    return sorted((n for n in reader.tensors if n.startswith(prefix)), key=reader.location)
 
 
 def _write_metadata(plan: ConversionPlan, tmp: Path, layers_report: list[dict], seconds: float,

@@ -18,6 +18,7 @@ import math
 
 import torch
 
+from .compensate import chol_solve
 from .partition import Partition
 
 
@@ -58,10 +59,18 @@ def unit_gate_scale(router: torch.Tensor, norm_weight: torch.Tensor, tolerance: 
     return tolerance / bound if bound > 0 else 1.0
 
 
-def expert_output_norms(act: torch.Tensor, down: torch.Tensor, part: Partition) -> torch.Tensor:
-    """(n_tokens, n_experts) L2 norm of each expert's output (its neurons' down_proj contribution)."""
-    return torch.stack([(act[:, idx] @ down[:, idx].T).norm(dim=1) for idx in
-                        (part.expert_neurons(e) for e in range(part.n_experts))], dim=1)
+def expert_output_norms(act: torch.Tensor, down: torch.Tensor, part: Partition) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert's output (its neurons' down_proj contribution) on every token, in one pass over down_proj.
+    Returns ((n_tokens, n_experts) L2 norms of the expert outputs, (n_tokens, d_model) their sum with the shared
+    neurons' output, i.e. the dense FFN output act @ down.T, summed by expert)."""
+    dense = act[:, part.shared_neurons] @ down[:, part.shared_neurons].T if part.n_shared else None
+    norms = []
+    for e in range(part.n_experts):
+        idx = part.expert_neurons(e)
+        y = act[:, idx] @ down[:, idx].T
+        norms.append(y.norm(dim=1))
+        dense = y if dense is None else dense.add_(y)
+    return torch.stack(norms, dim=1), dense
 
 
 def topk_agreement(scores: torch.Tensor, oracle: torch.Tensor, k: int) -> float:
@@ -82,23 +91,23 @@ def fit_router(x: torch.Tensor, norms: torch.Tensor, k: int, holdout: float = 0.
     need not be modelled). The ridge strength (times mean diag of X^T X) is chosen by top-k agreement with
     the oracle on the last `holdout` share of tokens; the final fit uses all tokens. Returns ((E, d), info).
     """
-    x = x.double()
+    # Gram matrices in float32 (a product of float32 activations; accumulated in float32 by the BLAS, relative
+    # error ~1e-6 with ridge >= 1e-4 of the mean diagonal), solved in float64
     target = norms.double() / norms.double().mean(1, keepdim=True).clamp_min(1e-12)
     target = target - target.mean(1, keepdim=True)
     n_fit = x.shape[0] - max(1, int(holdout * x.shape[0]))
 
     def solve(g, b, lam):
-        g = g.clone()
-        g.diagonal().add_(lam * g.diagonal().mean())
-        return torch.linalg.solve(g, b).T  # (E, d)
+        return chol_solve(g, b, lam * g.diagonal().mean()).T  # (E, d)
 
     # Gram matrices once (not once per strength): fit rows, held-back rows, and their sum for the final fit
+    x = x.float()
     x_f, x_h = x[:n_fit], x[n_fit:]
-    g_f, b_f = x_f.T @ x_f, x_f.T @ target[:n_fit]
+    g_f, b_f = (x_f.T @ x_f).double(), x_f.double().T @ target[:n_fit]
     scores = {}
     for lam in strengths:
         w = solve(g_f, b_f, lam)
-        scores[lam] = topk_agreement(x_h @ w.T, norms[n_fit:], k)
+        scores[lam] = topk_agreement(x_h.double() @ w.T, norms[n_fit:], k)
     best = max(strengths, key=lambda lam: (scores[lam], lam))
-    g, b = g_f + x_h.T @ x_h, b_f + x_h.T @ target[n_fit:]
+    g, b = g_f + (x_h.T @ x_h).double(), b_f + x_h.double().T @ target[n_fit:]
     return solve(g, b, best).float(), {"ridge": best, "holdout_agreement": scores[best]}

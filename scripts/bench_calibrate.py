@@ -7,8 +7,9 @@ Two subprocesses, one after the other, each on the same calibration tokens (the 
 WikiText-2 train text):
   forward  the dense model layer by layer exactly as calibration runs it (moeify.calibrate.LayerwiseModel: load
            one decoder layer, attention over all hidden states, dense FFN, next layer), nothing written
-  convert  `moeify convert --calib ... --method activation --router fitted` (with the default down_proj refit),
-           the whole conversion including writing the output
+  convert  `moeify convert --calib ... --method activation --router fitted --no-compensate`, the whole
+           conversion including writing the output (what the scale issue names)
+  refit    the same with the down_proj refit (`--compensate`, the default with --calib)
 Each reports wall seconds, peak RSS (os.wait4) and its RSS after every layer (the memory must stay flat as
 layers go by: one decoder layer resident). `convert` also reports where its time goes (stage timers around
 the carving functions). The machine may be shared: compare the ratio measured side by side, not seconds
@@ -114,7 +115,8 @@ def phase_convert(a) -> dict:
 
     t0 = time.perf_counter()
     cfg = build_config(experts=a.experts, top_k=a.top_k, method="activation", router="fitted", calib=[a.calib],
-                       calib_tokens=a.tokens, calib_seq_len=a.seq_len, device=a.device)
+                       calib_tokens=a.tokens, calib_seq_len=a.seq_len, device=a.device,
+                       compensate=a.phase == "refit")
     out = Path(a.out)
     run_conversion(plan_conversion(a.src, cfg), out, overwrite=True, progress=progress)
     seconds = time.perf_counter() - t0
@@ -164,7 +166,8 @@ def main(argv=None) -> None:
     p.add_argument("--work", type=Path, default=Path("/tmp/bench/calib-work"))
     p.add_argument("--label", default=None)
     p.add_argument("--append", type=Path, default=None, help="markdown file to add the result to")
-    p.add_argument("--phase", choices=("forward", "convert"), default=None, help=argparse.SUPPRESS)
+    p.add_argument("--no-refit", action="store_true", help="skip the run with the down_proj refit")
+    p.add_argument("--phase", choices=("forward", "convert", "refit"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     a.out = str(Path(a.work) / "moe")
@@ -179,14 +182,18 @@ def main(argv=None) -> None:
     label = a.label or a.src.name
     fwd = run_phase("forward", a)
     print(f"forward: {fwd['seconds']:.1f} s, peak RSS {gb(fwd['peak_rss'])} GB", flush=True)
-    conv = run_phase("convert", a)
-    shutil.rmtree(a.out, ignore_errors=True)
-    print(f"convert: {conv['seconds']:.1f} s, peak RSS {gb(conv['peak_rss'])} GB", flush=True)
+    runs = {}
+    for phase in ("convert",) + (() if a.no_refit else ("refit",)):
+        runs[phase] = run_phase(phase, a)
+        shutil.rmtree(a.out, ignore_errors=True)
+        print(f"{phase}: {runs[phase]['seconds']:.1f} s, peak RSS {gb(runs[phase]['peak_rss'])} GB", flush=True)
 
     def flat(r):
         xs = r["rss_per_layer"]
         return f"{gb(min(xs))}–{gb(max(xs))} GB" if xs else "–"
 
+    what = {"convert": "convert --method activation --router fitted --no-compensate, incl. writing",
+            "refit": "the same + down_proj refit (--compensate, the --calib default)"}
     shape = (f"hidden {cfg['hidden_size']}, d_ff {cfg['intermediate_size']}, {cfg['num_hidden_layers']} layers, "
              f"vocab {cfg['vocab_size']}")
     lines = [f"### Calibrated conversion: {label} ({shape}), {fwd['tokens']} tokens × seq {a.seq_len}, "
@@ -194,14 +201,18 @@ def main(argv=None) -> None:
              "```", f"python scripts/bench_calibrate.py {a.src} --tokens {a.tokens} --seq-len {a.seq_len}"
              + (f" --device {a.device}" if a.device != "cpu" else ""), "```", "",
              "| run | seconds | × forward | peak RSS | RSS after each layer (min–max) |", "|---|---:|---:|---:|---|",
-             f"| plain layer-sequential forward | {fwd['seconds']:.1f} | 1.00 | {gb(fwd['peak_rss'])} GB | {flat(fwd)} |",
-             f"| convert --method activation --router fitted (+ refit), incl. writing | {conv['seconds']:.1f} | "
-             f"{conv['seconds'] / fwd['seconds']:.2f} | {gb(conv['peak_rss'])} GB | {flat(conv)} |", "",
-             f"Where the conversion's time goes (calibration pass {conv['calibration_pass']:.1f} s, writing pass "
-             f"{conv['writing_pass']:.1f} s; stage timers, nested stages overlap):", "",
-             "| stage | seconds |", "|---|---:|"]
-    for name, sec in sorted(conv["stages"].items(), key=lambda kv: -kv[1]):
-        lines.append(f"| {name} | {sec:.1f} |")
+             f"| plain layer-sequential forward | {fwd['seconds']:.1f} | 1.00 | {gb(fwd['peak_rss'])} GB | {flat(fwd)} |"]
+    for phase, r in runs.items():
+        lines.append(f"| {what[phase]} | {r['seconds']:.1f} | {r['seconds'] / fwd['seconds']:.2f} | "
+                     f"{gb(r['peak_rss'])} GB | {flat(r)} |")
+    lines += ["", "Where the conversions' time goes (stage timers around the carving functions; nested stages overlap):",
+              "", "| stage | " + " | ".join(runs) + " |", "|---|" + "---:|" * len(runs)]
+    for name in ("calibration pass", "writing pass"):
+        key = name.replace(" ", "_")
+        lines.append(f"| {name} | " + " | ".join(f"{r[key]:.1f}" for r in runs.values()) + " |")
+    names = sorted({n for r in runs.values() for n in r["stages"]}, key=lambda n: -max(r["stages"].get(n, 0) for r in runs.values()))
+    for name in names:
+        lines.append(f"| {name} | " + " | ".join(f"{r['stages'].get(name, 0.0):.1f}" for r in runs.values()) + " |")
     block = "\n".join(lines) + "\n"
     print("\n" + block)
     if a.append:

@@ -20,7 +20,7 @@ from moeify.compensate import refit_down, routing_mask
 from moeify.config import build_config
 from moeify.errors import MoeifyError
 from moeify.convert import _scaled, plan_conversion, run_conversion
-from moeify.partition import Partition, _balanced_assign_ssp, balanced_assign, balanced_kmeans
+from moeify.partition import Partition, _balanced_assign_ssp, assignment_prices, balanced_assign, balanced_kmeans
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,6 +52,27 @@ def test_ssp_with_ties_and_cosine_costs():
     cost = -(x @ x[:16].T).double().numpy()  # the k-means cost: -cosine to centroids
     labels = _balanced_assign_ssp(cost, 64)
     assert cost[np.arange(1024), labels].sum() == pytest.approx(_optimum(cost, 64), abs=1e-9)
+
+
+@pytest.mark.parametrize("n_clusters,size", [(8, 40), (16, 12), (64, 4), (8, 128)])
+def test_warm_started_assignment_is_still_optimal(monkeypatch, n_clusters, size):
+    """The SSP path starts from balancing prices, and k-means passes the last iteration's prices: neither may
+    change the optimum (a per-cluster constant shifts every balanced assignment's cost equally)."""
+    import moeify.partition as P
+
+    monkeypatch.setattr(P, "LSA_MAX_NEURONS", 0)  # force the SSP path (with its warm start) on small problems
+    rng = np.random.default_rng(n_clusters + size)
+    cost = rng.standard_normal((n_clusters * size, n_clusters)) + 3 * rng.standard_normal(n_clusters)
+    labels = balanced_assign(cost, size)
+    assert np.bincount(labels, minlength=n_clusters).tolist() == [size] * n_clusters
+    assert cost[np.arange(cost.shape[0]), labels].sum() == pytest.approx(_optimum(cost, size), abs=1e-9)
+    prices = assignment_prices(cost, labels)
+    reduced = cost - prices
+    assert (reduced[np.arange(cost.shape[0]), labels] <= reduced.min(axis=1) + 1e-9).all()  # prices certify it
+    nearby = cost + 0.1 * rng.standard_normal(cost.shape)  # the next Lloyd iteration's cost
+    warm = balanced_assign(nearby, size, prices)
+    assert np.bincount(warm, minlength=n_clusters).tolist() == [size] * n_clusters
+    assert nearby[np.arange(cost.shape[0]), warm].sum() == pytest.approx(_optimum(nearby, size), abs=1e-9)
 
 
 def test_large_problem_uses_ssp_and_is_balanced():
