@@ -36,9 +36,13 @@ def shared_count(d_ff: int, experts: int, shared: int) -> int:
 
 
 def carve_weight_only(gate, up, down, norm_weight, cfg) -> CarvedLayer:
+    """Partition + router from the weights alone; gate-cluster's k-means runs on `cfg.device` (a GPU when
+    there is one and the device is auto or cuda: the similarities are float32 matrix products there)."""
+    from .calibrate import resolve_device
+
     part = partition_neurons(cfg.method, gate, up, down, n_experts=cfg.experts,
                              n_shared=shared_count(gate.shape[0], cfg.experts, cfg.shared),
-                             seed=cfg.seed, kmeans_iters=cfg.kmeans_iters)
+                             seed=cfg.seed, kmeans_iters=cfg.kmeans_iters, device=resolve_device(cfg.device))
     router = build_router(cfg.router, gate, part)
     return CarvedLayer(part, router, unit_gate_scale(router, norm_weight, cfg.gate_tolerance))
 

@@ -143,7 +143,8 @@ def convert(
                                               "least squares under the actual routing [default: on with --calib]."),
     stats: Optional[Path] = typer.Option(None, help="Reuse neuron statistics (OUT/calibration/stats.safetensors of an "
                                          "earlier calibrated run) instead of recomputing them."),
-    device: Optional[str] = typer.Option(None, help="Calibration device: auto | cpu | cuda [default: auto]."),
+    device: Optional[str] = typer.Option(None, help="Where calibration, k-means clustering and router fitting "
+                                         "run: auto (a GPU if there is one) | cpu | cuda [default: auto]."),
     preset: Optional[Path] = typer.Option(None, help="TOML preset (e.g. configs/e8k2.toml); flags override it."),
     allow_pickle: bool = typer.Option(False, help="Read pytorch_model*.bin weights when SRC has no safetensors, with "
                                       "torch.load(weights_only=True) (tensors only, no code runs)."),

@@ -199,7 +199,7 @@ def main(argv=None) -> None:
     lines = [f"### Calibrated conversion: {label} ({shape}), {fwd['tokens']} tokens × seq {a.seq_len}, "
              f"{a.experts} experts top-{a.top_k}, {a.device}, {time.strftime('%Y-%m-%d %H:%M')}", "",
              "```", f"python scripts/bench_calibrate.py {a.src} --tokens {a.tokens} --seq-len {a.seq_len}"
-             + (f" --device {a.device}" if a.device != "cpu" else ""), "```", "",
+             + (f" --device {a.device}" if a.device != "cpu" else "") + (" --no-refit" if a.no_refit else ""), "```", "",
              "| run | seconds | × forward | peak RSS | RSS after each layer (min–max) |", "|---|---:|---:|---:|---|",
              f"| plain layer-sequential forward | {fwd['seconds']:.1f} | 1.00 | {gb(fwd['peak_rss'])} GB | {flat(fwd)} |"]
     for phase, r in runs.items():
