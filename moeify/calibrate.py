@@ -65,10 +65,11 @@ def calibration_tokens(src_path: Path, files: list[str | Path], n_tokens: int, s
     if n_seq < 1:
         raise MoeifyError(f"--calib-tokens {n_tokens} is less than one window of --calib-seq-len {seq_len}")
     if len(ids) < n_seq * seq_len:
-        raise MoeifyError(
-            f"calibration text has {len(ids)} tokens, fewer than --calib-tokens {n_tokens}",
-            f"add text to --calib or lower --calib-tokens (to at most {len(ids) // seq_len * seq_len})",
-        )
+        fits = len(ids) // seq_len * seq_len
+        hint = (f"add text to --calib or lower --calib-tokens (to at most {fits})" if fits else
+                f"add text to --calib (it is shorter than one window of --calib-seq-len {seq_len}) "
+                f"or lower --calib-seq-len (to at most {len(ids)})")
+        raise MoeifyError(f"calibration text has {len(ids)} tokens, fewer than --calib-tokens {n_tokens}", hint)
     return torch.tensor(ids[: n_seq * seq_len]).view(n_seq, seq_len)
 
 

@@ -187,5 +187,10 @@ def test_calibrated_errors(tmp_path, calib_model):
     with pytest.raises(MoeifyError, match="fewer than --calib-tokens"):
         cfg = build_config(calib=[str(CORPUS)], calib_tokens=10_000_000, calib_seq_len=64)
         run_conversion(plan_conversion(calib_model, cfg), tmp_path / "o2")
-    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+    short = tmp_path / "short.txt"
+    short.write_text("Only a few words of text.")
+    with pytest.raises(MoeifyError) as info:  # shorter than one window: the hint must not say "at most 0"
+        run_conversion(plan_conversion(calib_model, build_config(calib=[str(short)], calib_seq_len=64)), tmp_path / "o3")
+    assert "shorter than one window of --calib-seq-len 64" in str(info.value) and "at most 0" not in str(info.value)
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()
     assert not list(tmp_path.glob("*.moeify-partial"))
