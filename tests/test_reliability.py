@@ -276,7 +276,8 @@ CASES = {
     "calib-empty": (_calib_file(b"   \n\n"), ["--calib", "{tmp}/calib.txt"], ["calib.txt", "empty"]),
     "calib-too-few-tokens": (_calib_file(b"A short text."), ["--calib", "{tmp}/calib.txt", "--calib-tokens", "4096",
                                                               "--calib-seq-len", "64"],
-                             ["fewer than --calib-tokens 4096", "lower --calib-tokens"]),
+                             ["fewer than --calib-tokens 4096", "shorter than one window",
+                              "lower --calib-seq-len (to at most 10)"]),
 }
 
 
