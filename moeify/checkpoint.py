@@ -342,7 +342,6 @@ class CheckpointReader:
         if self._ahead_path != path:
             if self._ahead_fh is not None:
                 self._ahead_fh.close()
-            self._ahead_fh, self._ahead_path = None, None
             self._ahead_fh = open(path, "rb", buffering=0)
             self._ahead_path = path
             if hasattr(os, "posix_fadvise"):

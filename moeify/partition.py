@@ -67,19 +67,34 @@ def split_shared(scores: torch.Tensor, n_shared: int) -> tuple[torch.Tensor, tor
     return order[:n_shared].sort().values, order[n_shared:].sort().values
 
 
+def _move_table(cost: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The single-item moves between clusters: delta (n, k), the cost of moving item i to cluster b; edge (k, k),
+    edge[a, b] = min over items in a of delta[i, b] (inf on the diagonal and from empty clusters); who (k, k),
+    the (lowest-index) item attaining it."""
+    n, k = cost.shape
+    delta = cost - cost[np.arange(n), labels][:, None]
+    edge = np.full((k, k), np.inf)
+    who = np.zeros((k, k), dtype=np.int64)
+    cols = np.arange(k)
+    order = np.argsort(labels, kind="stable")
+    bounds = np.concatenate([[0], np.cumsum(np.bincount(labels, minlength=k))])
+    for a in range(k):
+        members = order[bounds[a]:bounds[a + 1]]
+        if members.size:
+            best = delta[members].argmin(axis=0)
+            who[a] = members[best]
+            edge[a] = delta[members[best], cols]
+    np.fill_diagonal(edge, np.inf)
+    return delta, edge, who
+
+
 def assignment_prices(cost: np.ndarray, labels: np.ndarray) -> np.ndarray:
     """Cluster prices v (N,) under which an optimal balanced assignment is also the unconstrained one: every item's
     label minimises cost[i, j] - v[j]. They are shortest-path potentials over the clusters (edge a->b: the cheapest
     move of an item from a to b; no negative cycle when the assignment is optimal), so for a nearby cost matrix
     (the next Lloyd iteration) argmin(cost - v) is already almost balanced and the exact solver has little to do."""
-    n, k = cost.shape
-    delta = cost - cost[np.arange(n), labels][:, None]
-    edge = np.full((k, k), np.inf)
-    for a in range(k):
-        members = labels == a
-        if members.any():
-            edge[a] = delta[members].min(axis=0)
-    np.fill_diagonal(edge, 0.0)
+    k = cost.shape[1]
+    _, edge, _ = _move_table(cost, labels)
     dist = np.zeros(k)
     for _ in range(k):  # Bellman-Ford from a virtual source joined to every cluster at cost 0
         new = np.minimum(dist, (dist[:, None] + edge).min(axis=0))
@@ -147,9 +162,7 @@ def _balanced_assign_ssp(cost: np.ndarray, size: int) -> np.ndarray:
     counts = np.bincount(labels, minlength=k)
     if not (counts > size).any():
         return labels
-    delta = cost - cost[np.arange(n), labels][:, None]  # (n, k): cost of moving item i to cluster b
-    edge = np.full((k, k), np.inf)  # edge[a, b] = min over items in a of delta[i, b]
-    who = np.zeros((k, k), dtype=np.int64)  # the (lowest-index) item attaining it
+    delta, edge, who = _move_table(cost, labels)
     cols = np.arange(k)
 
     def refresh(a: int) -> None:
@@ -162,15 +175,6 @@ def _balanced_assign_ssp(cost: np.ndarray, size: int) -> np.ndarray:
         edge[a] = delta[members[best], cols]
         edge[a, a] = np.inf
 
-    order = np.argsort(labels, kind="stable")
-    bounds = np.concatenate([[0], np.cumsum(counts)])
-    for a in range(k):
-        members = order[bounds[a]:bounds[a + 1]]
-        if members.size:
-            best = delta[members].argmin(axis=0)
-            who[a] = members[best]
-            edge[a] = delta[members[best], cols]
-    np.fill_diagonal(edge, np.inf)
     tol = 1e-12 * max(1.0, float(np.abs(cost).max()))
 
     def augment(path: list[int]) -> None:

@@ -210,16 +210,13 @@ def main(argv=None) -> None:
     for name in ("calibration pass", "writing pass"):
         key = name.replace(" ", "_")
         lines.append(f"| {name} | " + " | ".join(f"{r[key]:.1f}" for r in runs.values()) + " |")
-    names = sorted({n for r in runs.values() for n in r["stages"]}, key=lambda n: -max(r["stages"].get(n, 0) for r in runs.values()))
+    names = sorted({n for r in runs.values() for n in r["stages"]},
+                   key=lambda n: -max(r["stages"].get(n, 0) for r in runs.values()))
     for name in names:
         lines.append(f"| {name} | " + " | ".join(f"{r['stages'].get(name, 0.0):.1f}" for r in runs.values()) + " |")
-    block = "\n".join(lines) + "\n"
-    print("\n" + block)
-    if a.append:
-        from bench_convert import insert_into_section
+    from bench_convert import publish
 
-        insert_into_section(a.append, block)
-        print(f"appended to {a.append}")
+    publish(lines, a.append)
 
 
 if __name__ == "__main__":

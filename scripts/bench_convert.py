@@ -165,6 +165,15 @@ def insert_into_section(path: Path, block: str) -> None:
     path.write_text(text)
 
 
+def publish(lines: list[str], append: Path | None) -> None:
+    """Print the markdown block and, with --append, add it to that file's SECTION."""
+    block = "\n".join(lines) + "\n"
+    print("\n" + block)
+    if append:
+        insert_into_section(append, block)
+        print(f"appended to {append}")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("src", type=Path, help="dense checkpoint (e.g. from scripts/make_synthetic_checkpoint.py)")
@@ -240,11 +249,7 @@ def main(argv=None) -> None:
     for n, sec in cluster.items():
         lines.append(f"| clustering + router only, {n} experts, per layer ({a.device}) | {sec:.2f} | – | "
                      f"{sec * n_layers / t_dd:.2f} (× {n_layers} layers) | – |")
-    block = "\n".join(lines) + "\n"
-    print("\n" + block)
-    if a.append:
-        insert_into_section(a.append, block)
-        print(f"appended to {a.append}")
+    publish(lines, a.append)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 # Real English text bundled in the repo (WikiText-2 training text, CC BY-SA 3.0; see examples/calib/README.md)
 CORPUS = Path(__file__).resolve().parents[1] / "examples" / "calib" / "wikitext2_train_sample.txt"
@@ -88,3 +89,17 @@ def tree_hash(path: Path) -> str:
 
 def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
+
+
+def rewrite(path: Path, edit) -> None:
+    """Load a safetensors file, let `edit` change the dict of tensors, save it back (damaging a checkpoint)."""
+    tensors = load_file(str(path))
+    edit(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def edit_json(path: Path, edit) -> None:
+    """Load a JSON file, let `edit` change it in place, write it back."""
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))

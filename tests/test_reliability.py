@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from conftest import build_dense, tree_hash
+from conftest import build_dense, edit_json, rewrite, tree_hash
 from moeify.cli import app
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,18 +63,6 @@ def sharded_source(tmp_path_factory, tokenizer_dir) -> Path:
 def src(tmp_path, source) -> Path:
     """A private copy of the source that a test may damage."""
     return Path(shutil.copytree(source, tmp_path / "src"))
-
-
-def rewrite(path: Path, edit) -> None:
-    tensors = load_file(str(path))
-    edit(tensors)
-    save_file(tensors, str(path), metadata={"format": "pt"})
-
-
-def edit_json(path: Path, edit) -> None:
-    data = json.loads(path.read_text())
-    edit(data)
-    path.write_text(json.dumps(data))
 
 
 def first_shard(src: Path) -> str:

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from conftest import build_dense
+from conftest import build_dense, edit_json, rewrite
 from moeify.cli import app
 from moeify.config import build_config
 from moeify.convert import plan_conversion, run_conversion
@@ -52,18 +51,6 @@ def problems_of(result) -> list[str]:
 
 def shard_of(out: Path, name: str) -> Path:
     return out / json.loads((out / "model.safetensors.index.json").read_text())["weight_map"][name]
-
-
-def rewrite(path: Path, edit) -> None:
-    tensors = load_file(str(path))
-    edit(tensors)
-    save_file(tensors, str(path), metadata={"format": "pt"})
-
-
-def edit_json(path: Path, edit) -> None:
-    data = json.loads(path.read_text())
-    edit(data)
-    path.write_text(json.dumps(data))
 
 
 # ----------------------------------------------------------------------------------------------- passes
