@@ -1,6 +1,6 @@
 """Checkpoint I/O: a lazy safetensors reader, a streaming size-capped shard writer, atomic output dirs.
 
-The reader reads headers only until a tensor is asked for, and keeps one shard open at a time.
+The reader reads headers only until a tensor is asked for, and keeps one shard open at a time (plus the read-ahead thread's).
 The writer knows every tensor's name, dtype and shape up front (the conversion plan), so it can lay out
 the shards and write each safetensors header before any data, then stream tensors one by one: the
 output is never held in memory.
