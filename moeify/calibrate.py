@@ -9,15 +9,15 @@ output) is what the carving statistics, router fitting and down-projection refit
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import CheckpointReader
+from .checkpoint import SPILL_DIR, CheckpointReader
 from .errors import MoeifyError
 from .families import SourceModel
+from .numerics import NeuronStats, ffn_activations, neuron_stats, resolve_device  # noqa: F401 (re-exported)
 
 # ------------------------------------------------------------------------------------------ calibration text
 
@@ -117,12 +117,13 @@ class LayerwiseModel:
                   position_ids=self.position_ids)
 
     @torch.no_grad()
-    def attention(self, layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the attention half of a layer on all hidden states.
+    def attention(self, layer: torch.nn.Module, hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the attention half of a layer on all hidden states (default: self.hidden).
         Returns (h_mid, x): the residual stream after attention and the FFN input, both (n_seq, seq, d)."""
+        hidden = self.hidden if hidden is None else hidden
         mids = []
-        for start in range(0, self.hidden.shape[0], self.batch_size):
-            h = self.hidden[start:start + self.batch_size]
+        for start in range(0, hidden.shape[0], self.batch_size):
+            h = hidden[start:start + self.batch_size]
             pos = self.rotary(h, position_ids=self.position_ids)
             attn, _ = layer.self_attn(hidden_states=layer.input_layernorm(h), attention_mask=self._mask(h),
                                       position_ids=self.position_ids, position_embeddings=pos)
@@ -135,74 +136,23 @@ class LayerwiseModel:
         self.hidden = h_mid + ffn_out.view_as(h_mid)
 
 
-# ---------------------------------------------------------------------------------------- neuron statistics
-
-
-def ffn_activations(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """Intermediate activations act(gate x) * (up x). x: (n, d_model) -> (n, d_ff)."""
-    return F.silu(x @ gate.T) * (x @ up.T)
-
-
-@dataclass
-class NeuronStats:
-    """Per-layer calibration statistics of the FFN neurons."""
-
-    rate: torch.Tensor  # (d_ff,) share of tokens where the neuron is among the top-K_a by |activation| (CMoE)
-    mean_abs: torch.Tensor  # (d_ff,) mean |activation|
-    pattern: torch.Tensor  # (d_ff, n_sample) binary top-K_a indicators on a token sample (for clustering)
-    profile: torch.Tensor  # (d_ff, n_sample) |activation| on the same sample (co-activation signal)
-
-    def to_dict(self, layer_idx: int) -> dict[str, torch.Tensor]:
-        """Compact on disk: patterns as uint8, profiles as float16 (neuron_stats rounds them so already)."""
-        return {f"{layer_idx}.rate": self.rate.contiguous(), f"{layer_idx}.mean_abs": self.mean_abs.contiguous(),
-                f"{layer_idx}.pattern": self.pattern.to(torch.uint8).contiguous(),
-                f"{layer_idx}.profile": self.profile.half().contiguous()}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, torch.Tensor], layer_idx: int) -> "NeuronStats":
-        try:
-            return cls(**{k: d[f"{layer_idx}.{k}"].float() for k in ("rate", "mean_abs", "pattern", "profile")})
-        except KeyError:
-            raise MoeifyError(f"--stats has no statistics for layer {layer_idx}",
-                              "the statistics come from a different model; recompute them with --calib") from None
-
-
-def neuron_stats(act: torch.Tensor, active_frac: float = 0.1, n_sample: int = 2048, seed: int = 0) -> NeuronStats:
-    """act: (n_tokens, d_ff). K_a = active_frac * d_ff neurons count as active in a token."""
-    n, d_ff = act.shape
-    k_a = max(1, int(round(active_frac * d_ff)))
-    mag = act.abs()
-    top = mag.topk(k_a, dim=1).indices
-    active = torch.zeros_like(mag, dtype=torch.bool).scatter_(1, top, True)
-    gen = torch.Generator().manual_seed(seed)
-    sample = torch.randperm(n, generator=gen)[: min(n, n_sample)].sort().values.to(act.device)
-    return NeuronStats(rate=active.float().mean(0).cpu(), mean_abs=mag.mean(0).cpu(),
-                       pattern=active[sample].T.float().cpu(), profile=mag[sample].T.half().float().cpu())
-
-
 # ------------------------------------------------------------------------------------ the calibration pass
-
-
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise MoeifyError("--device cuda was given but no CUDA device is available", "use --device cpu or auto")
-    return device
 
 
 def calibrate_and_carve(plan, tmp: Path, progress=None) -> tuple[dict, dict]:
     """Run the calibration tokens through the model layer by layer and carve every layer from them.
 
     Per layer: build the real decoder layer, run attention on all hidden states, compute the FFN input x,
-    carve (partition / router / refit) from x, and pass the dense (or, with calib_feed="moe", the carved)
-    FFN output on. Refit down_proj matrices are spilled to tmp/.carve/{layer}.safetensors. Returns
-    ({layer: CarvedLayer}, info) where info names the dense layers chosen by --dense-layers auto:M.
+    carve (partition / router / refit / tuning) from x, and pass the dense (or, with calib_feed="moe" or
+    "corrected", the carved) FFN output on. With "corrected" the dense model's hidden states are carried along
+    too, and each carved layer is fitted to the output that brings the residual stream back to the dense one
+    (h_dense_next - h_mid_carved), so the error of earlier carved layers is corrected instead of compounded.
+    Refit and tuned FFN weights are spilled to tmp/.carve/{layer}.safetensors. Returns ({layer: CarvedLayer},
+    info) where info names the dense layers chosen by --dense-layers auto:M.
     """
     from safetensors.torch import save_file
 
     from .carve import carve_calibrated
-    from .convert import SPILL_DIR
 
     cfg, src, reader = plan.cfg, plan.src, plan.reader
     device = resolve_device(cfg.device)
@@ -210,6 +160,8 @@ def calibrate_and_carve(plan, tmp: Path, progress=None) -> tuple[dict, dict]:
     tokens = calibration_tokens(src.path, list(cfg.calib), cfg.calib_tokens, seq_len)
     stats_in = _load_stats(cfg.stats) if cfg.stats else None
     model = LayerwiseModel(src, reader, tokens, device=device)
+    corrected = cfg.calib_feed == "corrected"
+    dense_hidden = model.hidden.clone() if corrected else None  # the dense trajectory, when it is the target
     (tmp / SPILL_DIR).mkdir(exist_ok=True)
     stats_files: list[Path] = []  # per-layer statistics, spilled as they are made (memory stays flat over layers)
     carved = {}
@@ -230,15 +182,21 @@ def calibrate_and_carve(plan, tmp: Path, progress=None) -> tuple[dict, dict]:
                 (tmp / "calibration").mkdir(exist_ok=True)
                 stats_files.append(tmp / "calibration" / f"layer-{i}.safetensors")
                 save_file(stats.to_dict(i), str(stats_files[-1]))
+            target = None
+            if corrected:
+                h_mid_d, x_d = model.attention(layer, dense_hidden)
+                dense_hidden = h_mid_d + mlp(x_d)
+                target = (dense_hidden - h_mid).reshape(x.shape)  # what restores the dense residual stream
+                del h_mid_d, x_d
             carved_layer, carved_out, dense_out = carve_calibrated(x, gate, up, down, layer.post_attention_layernorm.weight.data,
-                                                        cfg, stats, act=act)
-            if carved_layer.down is not None:
-                save_file({"down": carved_layer.down.to(plan.out_dtype).contiguous()},
+                                                                   cfg, stats, act=act, target=target)
+            if carved_layer.weights:
+                save_file({k: v.to(plan.out_dtype).contiguous() for k, v in carved_layer.weights.items()},
                           str(tmp / SPILL_DIR / f"{i}.safetensors"))
-                carved_layer.down = torch.empty(0)  # marker: spilled (read back when writing)
+                carved_layer.spilled, carved_layer.weights = tuple(sorted(carved_layer.weights)), {}  # read back when writing
             carved[i] = carved_layer
-            model.advance(h_mid, carved_out if cfg.calib_feed == "moe" else dense_out)  # dense: = mlp(x)
-        del layer, h_mid, x, act, carved_out, dense_out
+            model.advance(h_mid, dense_out if cfg.calib_feed == "dense" else carved_out)  # dense: = mlp(x)
+        del layer, h_mid, x, act, carved_out, dense_out, target
         if progress:
             progress("calibrating", i + 1, src.n_layers)
     info = {"tokens": int(tokens.numel()), "seq_len": seq_len, "device": device, "feed": cfg.calib_feed}

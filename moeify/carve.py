@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .compensate import refit_down, routed_output, routing_mask
-from .partition import Partition, partition_from_stats, partition_neurons
+from .numerics import ffn_activations, neuron_stats, resolve_device
+from .partition import Partition, partition_from_stats, partition_neurons, perm_hash
+from .tune import TuneSettings, tune_layer
 from .router import build_router, expert_output_norms, fit_router, topk_agreement, unit_gate_scale
 
 WEIGHT_METHODS = ("contiguous", "random", "gate-cluster")
@@ -20,14 +22,20 @@ class CarvedLayer:
     part: Partition
     router: torch.Tensor  # (n_experts, d_model) float32, before the unit-gate scale
     scale: float  # unit-gate router scale
-    down: torch.Tensor | None = None  # refit down_proj (d_model, d_ff) in source neuron order; None = source's
+    # replacement FFN weights in source neuron order, by name ("gate", "up": (d_ff, d_model), "down": (d_model, d_ff)):
+    # the refit down_proj (--compensate) and the tuned tensors (--tune); the source's where absent
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    spilled: tuple[str, ...] = ()  # names of `weights` moved to the spill file (calibrate.py) to keep memory flat
+    tuned: tuple[str, ...] = ()  # which of gate/up/down were tuned
     metrics: dict = field(default_factory=dict)
 
-    def report(self) -> dict:
-        from .convert import perm_hash
+    @property
+    def replaced(self) -> tuple[str, ...]:
+        return tuple(sorted(set(self.weights) | set(self.spilled)))
 
+    def report(self) -> dict:
         return {"expert_sizes": [self.part.expert_width] * self.part.n_experts, "shared_neurons": self.part.n_shared,
-                "router_scale": self.scale, "compensated": self.down is not None,
+                "router_scale": self.scale, "compensated": "down" in self.replaced, "tuned": list(self.tuned),
                 "perm_sha256": perm_hash(self.part.perm), "perm": self.part.perm.tolist(), **self.metrics}
 
 
@@ -38,8 +46,6 @@ def shared_count(d_ff: int, experts: int, shared: int) -> int:
 def carve_weight_only(gate, up, down, norm_weight, cfg) -> CarvedLayer:
     """Partition + router from the weights alone; gate-cluster's k-means runs on `cfg.device` (a GPU when
     there is one and the device is auto or cuda: the similarities are float32 matrix products there)."""
-    from .calibrate import resolve_device
-
     part = partition_neurons(cfg.method, gate, up, down, n_experts=cfg.experts,
                              n_shared=shared_count(gate.shape[0], cfg.experts, cfg.shared),
                              seed=cfg.seed, kmeans_iters=cfg.kmeans_iters, device=resolve_device(cfg.device))
@@ -48,16 +54,16 @@ def carve_weight_only(gate, up, down, norm_weight, cfg) -> CarvedLayer:
 
 
 @torch.no_grad()
-def carve_calibrated(x: torch.Tensor, gate, up, down, norm_weight, cfg, stats=None,
-                     act=None) -> tuple[CarvedLayer, torch.Tensor, torch.Tensor]:
+def carve_calibrated(x: torch.Tensor, gate, up, down, norm_weight, cfg, stats=None, act=None,
+                     target: torch.Tensor | None = None) -> tuple[CarvedLayer, torch.Tensor, torch.Tensor]:
     """Carve one FFN using its calibration inputs x (n_tokens, d_model), all float32 on one device.
-    `act`: ffn_activations(x, gate, up) when the caller has already computed them.
+    `act`: ffn_activations(x, gate, up) when the caller has already computed them. `target`: the output the carved
+    FFN should produce (n_tokens, d_model); default the dense FFN's output on x. With calib_feed = "corrected" it is
+    what restores the dense model's residual stream after this layer (the dense trajectory).
 
     Returns the carved layer, the carved FFN's output on x (n_tokens, d_model), which the next layer is fed
     with when calibrating on carved outputs, and the dense FFN's output on x (the dense feed; summed by expert).
     """
-    from .calibrate import ffn_activations, neuron_stats
-
     act = ffn_activations(x, gate, up) if act is None else act  # (n, d_ff)
     if stats is None and cfg.method in STATS_METHODS:
         stats = neuron_stats(act, seed=cfg.seed)
@@ -82,14 +88,26 @@ def carve_calibrated(x: torch.Tensor, gate, up, down, norm_weight, cfg, stats=No
     else:
         router = build_router(cfg.router, gate, part)
     scores = x @ router.T
-    new_down = None
-    if cfg.compensate:
-        new_down, info = refit_down(act, routing_mask(scores, part, cfg.top_k), down, dense_out=dense_out)
+    y = dense_out if target is None else target
+    weights = {}
+    if cfg.compensate and cfg.top_k < cfg.experts:  # with every expert active there is nothing to compensate
+        weights["down"], info = refit_down(act, routing_mask(scores, part, cfg.top_k), down, dense_out=y)
         metrics.update(refit_ridge=info["ridge"], rel_error_before=info["holdout_rel_error_before"],
                        rel_error_after=info["holdout_rel_error_after"])
-    out = routed_output(act, scores, part, cfg.top_k, down if new_down is None else new_down)
-    metrics["rel_error"] = ((out - dense_out).pow(2).sum() / dense_out.pow(2).sum().clamp_min(1e-30)).item()
+    tuned = ()
+    if cfg.tune_epochs > 0 and cfg.top_k < cfg.experts:
+        settings = TuneSettings(epochs=cfg.tune_epochs, lr=cfg.tune_lr, seed=cfg.seed)
+        tuned = ("gate", "up", "down")
+        new, info = tune_layer(x, y, routing_mask(scores, part, cfg.top_k), gate, up, weights.get("down", down),
+                               settings, tuned)
+        weights.update(new)
+        metrics.update(tune_rel_error_before=info["holdout_rel_error_before"],
+                       tune_rel_error_after=info["holdout_rel_error_after"], tune_epoch_kept=info["epoch_kept"],
+                       tune_steps=info["steps"])
+        act = ffn_activations(x, weights["gate"], weights["up"])
+    out = routed_output(act, scores, part, cfg.top_k, weights.get("down", down))
+    metrics["rel_error"] = ((out - y).pow(2).sum() / y.pow(2).sum().clamp_min(1e-30)).item()
     cpu_part = Partition(part.perm.cpu(), part.n_shared, part.n_experts, part.expert_width)
     layer = CarvedLayer(cpu_part, router.cpu(), unit_gate_scale(router, norm_weight, cfg.gate_tolerance),
-                        None if new_down is None else new_down.cpu(), metrics)
+                        weights={k: v.cpu() for k, v in weights.items()}, tuned=tuned, metrics=metrics)
     return layer, out, dense_out

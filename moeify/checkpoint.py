@@ -25,6 +25,8 @@ import torch
 
 from .errors import MoeifyError
 
+SPILL_DIR = ".carve"  # inside the temporary output dir: per-layer tensors made by calibration, removed before commit
+
 INDEX_NAME = "model.safetensors.index.json"
 PARTIAL_SUFFIX = ".moeify-partial"
 

@@ -138,7 +138,13 @@ def convert(
     calib_seq_len: Optional[int] = typer.Option(None, help="Calibration window length [default: 512, capped at "
                                                 "the model's max_position_embeddings]."),
     calib_feed: Optional[str] = typer.Option(None, help="Next layer's calibration input: dense (the dense layer's "
-                                             "output) | moe (the carved layer's output) [default: dense]."),
+                                             "output) | moe (the carved layer's output) | corrected (the carved "
+                                             "output, and each layer is fitted to restore the dense model's hidden "
+                                             "states, correcting earlier layers' error) [default: dense]."),
+    tune_epochs: Optional[int] = typer.Option(None, help="Tune each carved layer after carving: this many passes of "
+                                              "Adam over the calibration tokens on its experts' gate/up/down, towards "
+                                              "the dense output (needs --calib; 0 = off) [default: 0]."),
+    tune_lr: Optional[float] = typer.Option(None, help="Tuning step size, relative to each weight's RMS [default: 0.01]."),
     compensate: Optional[bool] = typer.Option(None, "--compensate/--no-compensate", help="Refit down_proj by ridge "
                                               "least squares under the actual routing [default: on with --calib]."),
     stats: Optional[Path] = typer.Option(None, help="Reuse neuron statistics (OUT/calibration/stats.safetensors of an "
@@ -170,7 +176,8 @@ def convert(
                            kmeans_iters=kmeans_iters, dtype=dtype, max_shard_size=max_shard_size,
                            untie_embeddings=untie_embeddings, calib=calib, calib_tokens=calib_tokens,
                            calib_seq_len=calib_seq_len, calib_feed=calib_feed, compensate=compensate,
-                           stats=str(stats) if stats else None, device=device)
+                           stats=str(stats) if stats else None, device=device, tune_epochs=tune_epochs,
+                           tune_lr=tune_lr)
         if eval_data:  # a bad --eval file fails before the conversion, not after it
             from .evaluate import read_text
 

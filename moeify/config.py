@@ -15,7 +15,7 @@ ROUTERS = ("mean-gate", "representative", "fitted")
 CALIB_METHODS = ("activation", "coactivation")  # need calibration data
 # Chosen by scripts/bench_quality.py (BENCHMARKS.md): the defaults when --calib is given without --method/--router.
 CALIBRATED_DEFAULTS = {"method": "activation", "router": "fitted", "compensate": True}
-FEEDS = ("dense", "moe")
+FEEDS = ("dense", "moe", "corrected")
 DEVICES = ("auto", "cpu", "cuda")
 FORMATS = ("auto", "mixtral", "qwen2_moe")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -41,14 +41,19 @@ class ConvertConfig:
     calib: tuple[str, ...] = ()  # .txt / .jsonl files
     calib_tokens: int = 65536
     calib_seq_len: int = 512
-    calib_feed: str = "dense"  # next layer's calibration input: dense layer output or the carved layer's output
+    calib_feed: str = "dense"  # next layer's calibration input: dense layer output or the carved layer's output;
+    # corrected: the carved layer's output, and each layer is fitted to restore the dense model's residual stream
     compensate: bool = False  # ridge refit of down_proj under the actual routing
     stats: str = ""  # reuse neuron statistics saved by an earlier calibrated conversion
     device: str = "auto"
+    # tuning (layer-local distillation of the carved experts after the training-free carve; needs calibration)
+    tune_epochs: int = 0  # passes over the calibration tokens per layer; 0 = no tuning
+    tune_lr: float = 0.01  # Adam step size relative to each tensor's RMS
 
     @property
     def needs_calibration(self) -> bool:
-        return (self.method in CALIB_METHODS or self.router == "fitted" or self.compensate or self.dense_auto > 0)
+        return (self.method in CALIB_METHODS or self.router == "fitted" or self.compensate or self.dense_auto > 0
+                or self.tune_epochs > 0)
 
     def resolved_format(self) -> str:
         if self.format != "auto":
@@ -58,12 +63,14 @@ class ConvertConfig:
     def validate(self) -> None:
         """Checks that need no checkpoint. Checkpoint-dependent checks live in convert.plan_conversion."""
         for name in ("experts", "top_k", "shared", "seed", "kmeans_iters", "max_shard_bytes", "calib_tokens",
-                     "calib_seq_len", "dense_auto"):
+                     "calib_seq_len", "dense_auto", "tune_epochs"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise MoeifyError(f"--{_flag(name)} must be an integer, got {value!r}")
-        if not isinstance(self.gate_tolerance, (int, float)) or isinstance(self.gate_tolerance, bool):
-            raise MoeifyError(f"--gate-tolerance must be a number, got {self.gate_tolerance!r}")
+        for name in ("gate_tolerance", "tune_lr"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise MoeifyError(f"--{_flag(name)} must be a number, got {value!r}")
         for name in ("untie_embeddings", "compensate"):
             if not isinstance(getattr(self, name), bool):
                 raise MoeifyError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -92,10 +99,15 @@ class ConvertConfig:
         _check_choice("device", self.device, DEVICES)
         if self.needs_calibration and not self.calib:
             what = ("--method " + self.method if self.method in CALIB_METHODS else "--router fitted"
-                    if self.router == "fitted" else "--compensate" if self.compensate else "--dense-layers auto:M")
+                    if self.router == "fitted" else "--compensate" if self.compensate else "--tune-epochs"
+                    if self.tune_epochs else "--dense-layers auto:M")
             raise MoeifyError(f"{what} needs calibration data", "pass --calib FILE (.txt or .jsonl)")
         if self.calib_tokens < 1 or self.calib_seq_len < 2:
             raise MoeifyError("--calib-tokens must be ≥ 1 and --calib-seq-len ≥ 2")
+        if self.tune_epochs < 0:
+            raise MoeifyError(f"--tune-epochs must be ≥ 0, got {self.tune_epochs}")
+        if not 0.0 < self.tune_lr < 1.0:
+            raise MoeifyError(f"--tune-lr must be in (0, 1) (a step size relative to each weight's RMS), got {self.tune_lr}")
         if self.dense_auto < 0:
             raise MoeifyError(f"--dense-layers auto:M needs M ≥ 0, got {self.dense_auto}")
         if any((not isinstance(i, int)) or i < 0 for i in self.dense_layers):

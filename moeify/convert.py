@@ -6,7 +6,6 @@ Only this module touches both the reader and the writer.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import json
 import shutil
@@ -21,7 +20,7 @@ from safetensors.torch import load_file
 
 from . import __version__
 from .budget import Budget, carve_budget
-from .checkpoint import (DTYPE_NAMES, BackgroundWriter, CheckpointReader, ShardLayout, ShardWriter, TensorInfo,
+from .checkpoint import (DTYPE_NAMES, SPILL_DIR, BackgroundWriter, CheckpointReader, ShardLayout, ShardWriter, TensorInfo,
                          check_free_space, check_links, check_output_path, commit_output, prepare_output)
 from .config import ConvertConfig, config_to_toml
 from .errors import MoeifyError
@@ -192,10 +191,6 @@ def _scaled(t: torch.Tensor, factor: int, dtype: torch.dtype) -> torch.Tensor:
     return (t.float() * factor).to(dtype)
 
 
-def perm_hash(perm: torch.Tensor) -> str:
-    return hashlib.sha256(perm.to(torch.int64).numpy().tobytes()).hexdigest()[:16]
-
-
 # ------------------------------------------------------------------------------------------------ running
 
 
@@ -242,7 +237,6 @@ def run_conversion(plan: ConversionPlan, out: str | Path, *, overwrite: bool = F
 
 
 WRITE_AHEAD_BYTES = 512 << 20  # output bytes queued for the writer thread while the next layer is carved
-SPILL_DIR = ".carve"  # inside the temporary output dir: refit down_proj per layer, removed before commit
 
 
 def _write_tensors(plan: ConversionPlan, writer: ShardWriter, carved: dict[int, CarvedLayer], tmp: Path,
@@ -269,8 +263,9 @@ def _write_tensors(plan: ConversionPlan, writer: ShardWriter, carved: dict[int, 
             layers_report.append({"layer": i, "dense": True, **(carved[i].metrics if i in carved else {})})
         else:
             layer = carved.get(i) or carve_weight_only(gate, up, down, reader.get(p + "post_attention_layernorm.weight"), cfg)
-            if layer.down is not None:
-                down = load_file(str(tmp / SPILL_DIR / f"{i}.safetensors"))["down"]
+            if layer.spilled:  # refit / tuned weights made during calibration
+                new = load_file(str(tmp / SPILL_DIR / f"{i}.safetensors"))
+                gate, up, down = new.get("gate", gate), new.get("up", up), new.get("down", down)
             tensors = ffn_output_tensors(plan.fmt, i, layer.part, layer.router * layer.scale, gate, up, down, cfg, dtype)
             for name, t in tensors.items():
                 writer.write(name, t)
@@ -342,5 +337,5 @@ def unpermute_ffn(out_tensors: dict[str, torch.Tensor], part: Partition, fmt: st
     return torch.cat(chunks_g)[inv], torch.cat(chunks_u)[inv], torch.cat(chunks_d, dim=1)[:, inv]
 
 
-__all__ = ["ConversionPlan", "plan_conversion", "run_conversion", "carve_ffn", "ffn_output_tensors", "unpermute_ffn",
+__all__ = ["ConversionPlan", "plan_conversion", "run_conversion", "ffn_output_tensors", "unpermute_ffn",
            "valid_expert_counts"]

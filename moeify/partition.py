@@ -7,6 +7,7 @@ so the result does not depend on the order clustering happened to produce.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +40,10 @@ class Partition:
         for e in range(self.n_experts):
             labels[self.expert_neurons(e)] = e
         return labels
+
+
+def perm_hash(perm: torch.Tensor) -> str:
+    return hashlib.sha256(perm.to(torch.int64).numpy().tobytes()).hexdigest()[:16]
 
 
 def valid_expert_counts(routed_width: int) -> list[int]:

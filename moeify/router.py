@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from .compensate import chol_solve
+from .numerics import chol_solve
 from .partition import Partition
 
 
@@ -60,17 +60,17 @@ def unit_gate_scale(router: torch.Tensor, norm_weight: torch.Tensor, tolerance: 
 
 
 def expert_output_norms(act: torch.Tensor, down: torch.Tensor, part: Partition) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each expert's output (its neurons' down_proj contribution) on every token, in one pass over down_proj.
-    Returns ((n_tokens, n_experts) L2 norms of the expert outputs, (n_tokens, d_model) their sum with the shared
-    neurons' output, i.e. the dense FFN output act @ down.T, summed by expert)."""
-    dense = act[:, part.shared_neurons] @ down[:, part.shared_neurons].T if part.n_shared else None
-    norms = []
-    for e in range(part.n_experts):
-        idx = part.expert_neurons(e)
-        y = act[:, idx] @ down[:, idx].T
-        norms.append(y.norm(dim=1))
-        dense = y if dense is None else dense.add_(y)
-    return torch.stack(norms, dim=1), dense
+    """Each expert's output norm on every token, and the dense FFN output act @ down.T.
+    Returns ((n_tokens, n_experts) L2 norms of the expert outputs (its neurons' down_proj contribution), (n_tokens,
+    d_model) the dense output). ||D_e a_e||^2 = a_e^T (D_e^T D_e) a_e with a (width x width) Gram matrix per expert:
+    n * width * d_ff flops in all, a width/d_model share of computing every expert's output."""
+    act_p = act[:, part.perm]  # (n, d_ff) experts' neurons contiguous (shared first)
+    down_p = down[:, part.perm]
+    w, s, n_e = part.expert_width, part.n_shared, part.n_experts
+    a = act_p[:, s:].reshape(-1, n_e, w).transpose(0, 1)  # (E, n, w)
+    d = down_p[:, s:].reshape(-1, n_e, w).transpose(0, 1)  # (E, d_model, w)
+    norms = (torch.bmm(a, d.transpose(1, 2) @ d) * a).sum(-1).clamp_min(0).sqrt().T  # (n, E)
+    return norms, act_p @ down_p.T
 
 
 def topk_agreement(scores: torch.Tensor, oracle: torch.Tensor, k: int) -> float:

@@ -263,6 +263,9 @@ def test_refit_matches_normal_equations(n, d_ff, n_shared, routed):
     new, info = refit_down(act, mask, down)
     ref, best = _refit_normal_equations(act, mask, down)
     assert info["ridge"] == best
-    assert torch.allclose(new, ref, rtol=1e-5, atol=1e-6)
+    # neuron space (n > d_ff) forms its Gram matrices as float32 products: on this nearly rank-6 activation matrix
+    # (condition ~1e4 after the ridge) that is ~5e-5 of the largest weight
+    tol = 1e-6 if n <= d_ff else 1e-4 * ref.abs().max().item()
+    assert (new - ref).abs().max().item() <= tol
     with_dense_out, _ = refit_down(act, mask, down, dense_out=act @ down.T)  # float32 dense output: ~1e-6
-    assert torch.allclose(with_dense_out, ref, rtol=1e-4, atol=1e-5)
+    assert (with_dense_out - ref).abs().max().item() <= max(tol, 1e-4 * ref.abs().max().item())

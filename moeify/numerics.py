@@ -1,0 +1,72 @@
+"""Low-level helpers shared by the stages (calibration, carving, compensation, routing, tuning): device
+resolution, the FFN activations and their per-neuron statistics, a ridge solve. Imports nothing from moeify
+but errors, so every stage can use it without import cycles."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .errors import MoeifyError
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise MoeifyError("--device cuda was given but no CUDA device is available", "use --device cpu or auto")
+    return device
+
+
+
+def ffn_activations(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Intermediate activations act(gate x) * (up x). x: (n, d_model) -> (n, d_ff)."""
+    return F.silu(x @ gate.T) * (x @ up.T)
+
+
+@dataclass
+class NeuronStats:
+    """Per-layer calibration statistics of the FFN neurons."""
+
+    rate: torch.Tensor  # (d_ff,) share of tokens where the neuron is among the top-K_a by |activation| (CMoE)
+    mean_abs: torch.Tensor  # (d_ff,) mean |activation|
+    pattern: torch.Tensor  # (d_ff, n_sample) binary top-K_a indicators on a token sample (for clustering)
+    profile: torch.Tensor  # (d_ff, n_sample) |activation| on the same sample (co-activation signal)
+
+    def to_dict(self, layer_idx: int) -> dict[str, torch.Tensor]:
+        """Compact on disk: patterns as uint8, profiles as float16 (neuron_stats rounds them so already)."""
+        return {f"{layer_idx}.rate": self.rate.contiguous(), f"{layer_idx}.mean_abs": self.mean_abs.contiguous(),
+                f"{layer_idx}.pattern": self.pattern.to(torch.uint8).contiguous(),
+                f"{layer_idx}.profile": self.profile.half().contiguous()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, torch.Tensor], layer_idx: int) -> "NeuronStats":
+        try:
+            return cls(**{k: d[f"{layer_idx}.{k}"].float() for k in ("rate", "mean_abs", "pattern", "profile")})
+        except KeyError:
+            raise MoeifyError(f"--stats has no statistics for layer {layer_idx}",
+                              "the statistics come from a different model; recompute them with --calib") from None
+
+
+def neuron_stats(act: torch.Tensor, active_frac: float = 0.1, n_sample: int = 2048, seed: int = 0) -> NeuronStats:
+    """act: (n_tokens, d_ff). K_a = active_frac * d_ff neurons count as active in a token."""
+    n, d_ff = act.shape
+    k_a = max(1, int(round(active_frac * d_ff)))
+    mag = act.abs()
+    top = mag.topk(k_a, dim=1).indices
+    active = torch.zeros_like(mag, dtype=torch.bool).scatter_(1, top, True)
+    gen = torch.Generator().manual_seed(seed)
+    sample = torch.randperm(n, generator=gen)[: min(n, n_sample)].sort().values.to(act.device)
+    return NeuronStats(rate=active.float().mean(0).cpu(), mean_abs=mag.mean(0).cpu(),
+                       pattern=active[sample].T.float().cpu(), profile=mag[sample].T.half().float().cpu())
+
+
+
+def chol_solve(g: torch.Tensor, rhs: torch.Tensor, reg: torch.Tensor) -> torch.Tensor:
+    """(g + reg I)^-1 rhs for symmetric positive semi-definite g (Cholesky; LU if it fails numerically)."""
+    g = g.clone()
+    g.diagonal().add_(reg)
+    chol, bad = torch.linalg.cholesky_ex(g)
+    return torch.linalg.solve(g, rhs) if bad.item() else torch.cholesky_solve(rhs, chol)
