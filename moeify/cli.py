@@ -130,11 +130,15 @@ def convert(
     kmeans_iters: Optional[int] = typer.Option(None, help="Lloyd iterations of balanced k-means [default: 8]."),
     dtype: Optional[str] = typer.Option(None, help="Output dtype: auto (keep source) | bfloat16 | float16 | float32."),
     max_shard_size: Optional[str] = typer.Option(None, help="Max bytes per output shard, e.g. 5GB, 500MB [default: 5GB]."),
+    pad_experts_to: Optional[int] = typer.Option(None, help="Zero-pad every routed expert's width to a multiple of this "
+                                                 "(exact: zero neurons add nothing), e.g. 128 or 256 for quantized "
+                                                 "serving; --dry-run says which formats a width suits [default: 8]."),
     untie_embeddings: Optional[bool] = typer.Option(None, "--untie-embeddings/--keep-tied", help="Write an explicit "
                                                     "lm_head copy for tied-embedding sources [default: keep tied]."),
     calib: Optional[list[Path]] = typer.Option(None, "--calib", help="Calibration text (.txt, or .jsonl with a 'text' "
                                                "field); repeat for several files. Enables calibrated carving."),
-    calib_tokens: Optional[int] = typer.Option(None, help="Calibration tokens [default: 65536]."),
+    calib_tokens: Optional[int] = typer.Option(None, help="Calibration tokens; more than the text has is an error "
+                                              "[default: all of the text, up to 65536]."),
     calib_seq_len: Optional[int] = typer.Option(None, help="Calibration window length [default: 512, capped at "
                                                 "the model's max_position_embeddings]."),
     calib_feed: Optional[str] = typer.Option(None, help="Next layer's calibration input: dense (the dense layer's "
@@ -145,7 +149,8 @@ def convert(
                                          "earlier calibrated run) instead of recomputing them."),
     device: Optional[str] = typer.Option(None, help="Where calibration, k-means clustering and router fitting "
                                          "run: auto (a GPU if there is one) | cpu | cuda [default: auto]."),
-    preset: Optional[Path] = typer.Option(None, help="TOML preset (e.g. configs/e8k2.toml); flags override it."),
+    preset: Optional[Path] = typer.Option(None, help="TOML preset (e.g. configs/active-50.toml); flags override "
+                                          "it."),
     allow_pickle: bool = typer.Option(False, help="Read pytorch_model*.bin weights when SRC has no safetensors, with "
                                       "torch.load(weights_only=True) (tensors only, no code runs)."),
     allow_nonfinite: bool = typer.Option(False, help="Convert tensors that contain NaN/Inf (with a warning) instead "
@@ -168,6 +173,7 @@ def convert(
         cfg = build_config(preset, experts=experts, top_k=top_k, shared=shared, method=method, router=router,
                            format=format, dense_layers=dense_layers, gate_tolerance=gate_tolerance, seed=seed,
                            kmeans_iters=kmeans_iters, dtype=dtype, max_shard_size=max_shard_size,
+                           pad_experts_to=pad_experts_to,
                            untie_embeddings=untie_embeddings, calib=calib, calib_tokens=calib_tokens,
                            calib_seq_len=calib_seq_len, calib_feed=calib_feed, compensate=compensate,
                            stats=str(stats) if stats else None, device=device)

@@ -19,6 +19,7 @@ FEEDS = ("dense", "moe")
 DEVICES = ("auto", "cpu", "cuda")
 FORMATS = ("auto", "mixtral", "qwen2_moe")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+CALIB_TOKENS_CAP = 65536  # calibration tokens used when --calib-tokens is not given (fewer if the text is shorter)
 
 
 @dataclass(frozen=True)
@@ -35,11 +36,12 @@ class ConvertConfig:
     kmeans_iters: int = 8  # Lloyd iterations of balanced k-means
     dtype: str = "auto"  # output dtype; auto keeps the source dtype
     max_shard_bytes: int = 5_000_000_000
+    pad_experts_to: int = 8  # zero-pad every routed expert's width to a multiple of this (exact; 128/256 for quantized serving)
     untie_embeddings: bool = False  # write an explicit lm_head copy for tied sources
     dense_auto: int = 0  # keep this many most-sensitive layers dense (measured on calibration data)
     # calibration
     calib: tuple[str, ...] = ()  # .txt / .jsonl files
-    calib_tokens: int = 65536
+    calib_tokens: int = 0  # 0: all of the calibration text, up to CALIB_TOKENS_CAP
     calib_seq_len: int = 512
     calib_feed: str = "dense"  # next layer's calibration input: dense layer output or the carved layer's output
     compensate: bool = False  # ridge refit of down_proj under the actual routing
@@ -58,7 +60,7 @@ class ConvertConfig:
     def validate(self) -> None:
         """Checks that need no checkpoint. Checkpoint-dependent checks live in convert.plan_conversion."""
         for name in ("experts", "top_k", "shared", "seed", "kmeans_iters", "max_shard_bytes", "calib_tokens",
-                     "calib_seq_len", "dense_auto"):
+                     "calib_seq_len", "dense_auto", "pad_experts_to"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise MoeifyError(f"--{_flag(name)} must be an integer, got {value!r}")
@@ -80,6 +82,9 @@ class ConvertConfig:
             )
         if self.kmeans_iters < 1:
             raise MoeifyError(f"--kmeans-iters must be ≥ 1, got {self.kmeans_iters}")
+        if self.pad_experts_to < 8 or self.pad_experts_to % 8:
+            raise MoeifyError(f"--pad-experts-to must be a positive multiple of 8, got {self.pad_experts_to}",
+                              "8 (the default) keeps rows 16-byte aligned; 128 or 256 suit quantized serving (see --dry-run)")
         if self.max_shard_bytes < 1:
             raise MoeifyError(f"--max-shard-size must be positive, got {self.max_shard_bytes} bytes")
         if not (0.0 < self.gate_tolerance < 1.0):
@@ -94,8 +99,8 @@ class ConvertConfig:
             what = ("--method " + self.method if self.method in CALIB_METHODS else "--router fitted"
                     if self.router == "fitted" else "--compensate" if self.compensate else "--dense-layers auto:M")
             raise MoeifyError(f"{what} needs calibration data", "pass --calib FILE (.txt or .jsonl)")
-        if self.calib_tokens < 1 or self.calib_seq_len < 2:
-            raise MoeifyError("--calib-tokens must be ≥ 1 and --calib-seq-len ≥ 2")
+        if self.calib_tokens < 0 or self.calib_seq_len < 2:
+            raise MoeifyError("--calib-tokens must be ≥ 1 (0: all the text, up to 65,536) and --calib-seq-len ≥ 2")
         if self.dense_auto < 0:
             raise MoeifyError(f"--dense-layers auto:M needs M ≥ 0, got {self.dense_auto}")
         if any((not isinstance(i, int)) or i < 0 for i in self.dense_layers):
@@ -142,7 +147,8 @@ def parse_layers(text: str | list | tuple | None) -> tuple[int, ...]:
 def load_preset(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
-        raise MoeifyError(f"preset {path} not found", "pass a TOML file, e.g. --preset configs/e8k2.toml")
+        raise MoeifyError(f"preset {path} not found",
+                          "pass a TOML file, e.g. --preset configs/active-50.toml (or an earlier output's moeify.toml)")
     try:
         data = tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:

@@ -7,6 +7,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from .config import CALIB_TOKENS_CAP
+from .budget import padded_width
+from .plan import SERVING_RULES, serving_advice, serving_fit
+
 
 def human_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
@@ -82,28 +86,69 @@ def print_eval(console: Console, result) -> None:
 
 
 def print_plan(console: Console, plan, out: Path) -> None:
+    """`convert` (and --dry-run): the plan as label/value rows that fit an 80-column terminal."""
+    from rich import box
+
     cfg, src, b = plan.cfg, plan.src, plan.budget
-    t = Table(title=f"moeify plan: {src.path} → {out}", show_header=False, title_justify="left")
-    t.add_column(style="bold")
+    console.print(f"[bold]moeify plan:[/] {src.path} → {out}", soft_wrap=True, highlight=False)
+    t = Table(show_header=False, box=box.SIMPLE, pad_edge=False)
+    t.add_column(style="bold", no_wrap=True)
     t.add_column()
-    t.add_row("source", f"{src.model_type}, {src.n_layers} layers, hidden {src.hidden}, d_ff {src.d_ff}, "
-                        f"{src.heads} heads / {src.kv_heads} kv heads")
+    t.add_row("source", f"{src.model_type}, {src.n_layers} layers, hidden {src.hidden}, d_ff {src.d_ff}")
+    t.add_row("attention", f"{src.heads} heads, {src.kv_heads} kv heads")
     t.add_row("output format", f"{plan.fmt} ({str(plan.out_dtype).removeprefix('torch.')})")
     t.add_row("experts", f"{cfg.experts} routed, top-{cfg.top_k}" + (f", shared width {plan.shared_width}" if cfg.shared else ""))
-    t.add_row("expert width", f"{plan.expert_width} neurons (d_ff / {cfg.experts + cfg.shared})")
+    width = f"{plan.expert_width} neurons (d_ff / {cfg.experts + cfg.shared})"
+    if plan.padded_width != plan.expert_width:
+        width += f", zero-padded to {plan.padded_width}"
+    t.add_row("expert width", width)
     t.add_row("partition / router", f"{cfg.method} / {cfg.router}")
+    if cfg.needs_calibration:
+        tokens = f"{cfg.calib_tokens:,} tokens" if cfg.calib_tokens else f"all tokens, up to {CALIB_TOKENS_CAP:,}"
+        seq_len = min(cfg.calib_seq_len, int(src.raw.get("max_position_embeddings") or cfg.calib_seq_len))
+        t.add_row("calibration", f"{tokens} of {len(cfg.calib)} file(s), windows of {seq_len}")
     if cfg.dense_layers:
         t.add_row("dense layers", ", ".join(map(str, cfg.dense_layers)))
-    t.add_row("total parameters", f"{human_count(b.total_params)} ({b.total_ratio:.3f}× dense)")
-    t.add_row("active parameters / token", f"{human_count(b.active_params)} ({b.active_ratio:.3f}× dense)")
+    t.add_row("total params", f"{human_count(b.total_params)} ({b.total_ratio:.3f}× dense)")
+    t.add_row("active params / token", f"{human_count(b.active_params)} ({b.active_ratio:.3f}× dense)")
     t.add_row("FFN FLOPs / token", f"{b.flops_ratio:.3f}× dense")
     t.add_row("output size", f"{human_bytes(plan.output_bytes)} in {len(plan.layout.files)} shard(s)")
+    for rule, tp in serving_fit(plan.padded_width):
+        t.add_row(rule.name, _fit_text(plan.padded_width, rule, tp))
     console.print(t)
+    _print_serving_advice(console, src.d_ff, cfg.experts, cfg.shared, plan.padded_width)
+
+
+def _fit_text(width: int, rule, tp: int) -> str:
+    """One serving rule's verdict on a stored expert width, e.g. 'yes, TP ≤ 2 (width / TP a multiple of 128)'."""
+    if not tp:
+        return f"no: {width} is not a multiple of {rule.multiple}"
+    if not rule.per_gpu:
+        return f"yes ({width} = {width // rule.multiple} × {rule.multiple})"
+    return f"yes, TP ≤ {tp} (width / TP a multiple of {rule.multiple})"
+
+
+def _print_serving_advice(console: Console, d_ff: int, experts: int, shared: int, width: int) -> None:
+    advice = serving_advice(d_ff, experts, shared, width)
+    if advice:
+        console.print("[dim]to make the expert width fit the formats marked no:[/]", soft_wrap=True)
+        for line in advice:
+            console.print(f"[dim]  {line}[/]", soft_wrap=True, highlight=False)
+
+
+def calibration_summary(calib: dict) -> str:
+    """How many calibration tokens were used, out of how many the text has."""
+    asked = calib.get("requested_tokens")
+    how = f"--calib-tokens {asked:,}" if asked else f"default: all of it in whole windows, up to {CALIB_TOKENS_CAP:,}"
+    return (f"calibrated on {calib['tokens']:,} of the calibration text's {calib['text_tokens']:,} tokens "
+            f"({calib['windows']} windows of {calib['seq_len']}; {how})")
 
 
 def print_result(console: Console, report: dict, out: Path) -> None:
     console.print(f"[bold green]wrote[/] {out} in {report['seconds']:.1f}s "
-                  f"({report['format']}, {len(report['layers'])} layers)")
+                  f"({report['format']}, {len(report['layers'])} layers)", soft_wrap=True)
+    if report.get("calibration"):
+        console.print(calibration_summary(report["calibration"]), soft_wrap=True)
 
 
 # ------------------------------------------------------------------------------------------- plan / inspect
@@ -134,13 +179,26 @@ def print_moe_plan(console: Console, plan) -> None:
     notes.append(f"non-FFN parameters (embeddings, attention, norms): {human_count(plan.other_params)}; "
                  "FFN FLOPs = 2 × multiply-adds of active expert and router weights")
     console.print("[dim]" + "; ".join(notes) + "[/]")
+    widths = sorted({padded_width(r.expert_width) for r in plan.regimes})
+    rows = [[str(w)] + [_fit_short(rule, tp) for rule, tp in serving_fit(w)] for w in widths]
+    console.print(_table("quantized serving by stored expert width (zero-padded to ×8)",
+                         ["stored width"] + [rule.name for rule in SERVING_RULES], rows))
+    console.print("[dim]yes: the width is a multiple of the block size (llama.cpp 256; vLLM 128 per GPU, up to the "
+                  "TP shown); no: llama.cpp falls back to another quant type, vLLM refuses or uses a slower path[/]")
+    carve = next(r for r in plan.regimes if r.name == "inference saving")
+    _print_serving_advice(console, s.d_ff, plan.experts, plan.shared, padded_width(carve.expert_width))
+
+
+def _fit_short(rule, tp: int) -> str:
+    return "no" if not tp else "yes" if not rule.per_gpu else f"TP ≤ {tp}"
 
 
 def _table(title: str, columns: list[str], rows: list[list[str]]) -> Table:
     """A table whose cells never get cut: each column is at least as wide as its widest cell; headers may wrap."""
     from rich import box
 
-    t = Table(title=title, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD, pad_edge=False)
+    t = Table(title=title, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD, pad_edge=False,
+              show_edge=False, padding=(0, 1, 0, 0))  # one space between columns: 8 columns fit 80 characters
     for c, name in enumerate(columns):
         t.add_column(name, justify="left" if c == 0 else "right", min_width=max(len(r[c]) for r in rows))
     for r in rows:
