@@ -186,6 +186,11 @@ def build_config(preset: str | Path | None = None, **flags) -> ConvertConfig:
     return cfg
 
 
+def config_to_dict(cfg: ConvertConfig) -> dict:
+    """Resolved settings as JSON-ready values (report.json, convert --json)."""
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()}
+
+
 def config_to_toml(cfg: ConvertConfig, extra: dict | None = None) -> str:
     """Resolved settings as TOML (written to OUT/moeify.toml; usable again as --preset)."""
     lines = []
@@ -208,4 +213,4 @@ def _toml_value(v) -> str:
     return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-__all__ = ["ConvertConfig", "build_config", "config_to_toml", "load_preset", "parse_size", "parse_layers"]
+__all__ = ["ConvertConfig", "build_config", "config_to_dict", "config_to_toml", "load_preset", "parse_size", "parse_layers"]

@@ -23,7 +23,7 @@ from . import __version__
 from .budget import Budget, carve_budget, padded_width
 from .checkpoint import (DTYPE_NAMES, BackgroundWriter, CheckpointReader, ShardLayout, ShardWriter, TensorInfo,
                          check_free_space, check_links, check_output_path, commit_output, prepare_output)
-from .config import ConvertConfig, config_to_toml
+from .config import ConvertConfig, config_to_dict, config_to_toml
 from .errors import MoeifyError
 from .carve import CarvedLayer, carve_weight_only
 from .families import (TOKENIZER_FILES, SourceModel, attention_extras, check_source_tensors, ffn_tensor_names,
@@ -55,6 +55,18 @@ class ConversionPlan:
     @property
     def output_bytes(self) -> int:
         return self.layout.total_bytes()
+
+    def summary(self) -> dict:
+        """The plan as `convert --dry-run --json` writes it: settings, widths, budget, output size, serving fit."""
+        from .plan import serving_json
+
+        b = self.budget
+        return {"source": str(self.src.path), "format": self.fmt, "output_dtype": str(self.out_dtype).removeprefix("torch."),
+                "settings": config_to_dict(self.cfg),
+                "expert_width": self.expert_width, "padded_expert_width": self.padded_width,
+                "shared_width": self.shared_width, "total_params": b.total_params, "active_params": b.active_params,
+                "ffn_flops_ratio": b.flops_ratio, "output_bytes": self.output_bytes, "shards": len(self.layout.files),
+                "serving": serving_json(self.padded_width)}
 
 
 def plan_conversion(src_path: str | Path, cfg: ConvertConfig, *, allow_pickle: bool = False,
@@ -295,7 +307,7 @@ def _write_metadata(plan: ConversionPlan, tmp: Path, layers_report: list[dict], 
         provenance["calib_tokens_used"] = calib_info["tokens"]
     (tmp / "moeify.toml").write_text(config_to_toml(plan.cfg, provenance))
     b = plan.budget
-    report = {**provenance, "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in plan.cfg.__dict__.items()},
+    report = {**provenance, "settings": config_to_dict(plan.cfg),
               "total_params": b.total_params, "active_params": b.active_params, "ffn_flops_ratio": b.flops_ratio,
               "seconds": round(seconds, 3), "calibration": calib_info, "layers": layers_report}
     (tmp / "report.json").write_text(json.dumps(report) + "\n")

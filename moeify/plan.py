@@ -15,7 +15,6 @@ The numbers come from moeify.budget.carve_budget, the same function `convert --d
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -195,7 +194,3 @@ def plan_from_path(path: str | Path, **kwargs) -> MoePlan:
 def serving_json(width: int) -> dict:
     """{rule name: largest tensor-parallel size that fits (0: none)} for a stored expert width."""
     return {rule.name: tp for rule, tp in serving_fit(width)}
-
-
-def plan_json(plan: MoePlan) -> str:
-    return json.dumps(plan.to_dict(), indent=2)

@@ -43,46 +43,66 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else None
 
 
-def print_eval(console: Console, result) -> None:
-    """`moeify eval`: one row per model (perplexity, ×reference, parameters, tokens/s, routing summary), then a
-    per-layer routing table for each MoE model."""
-    from rich import box
+def model_labels(n: int) -> list[str]:
+    """Short row labels for the eval tables (A, B, C, ...; M27, M28, ... past Z): paths go in a legend."""
+    return [chr(ord("A") + i) if i < 26 else f"M{i + 1}" for i in range(n)]
 
+
+ROUTING_COLUMNS = ("layer", "min–max f", "aux", "load CV", "<1%", "oracle top-k")  # plus the load bars
+
+
+def print_eval(console: Console, result) -> None:
+    """`moeify eval`: one row per model (perplexity, ×reference, parameters, tokens/s, routing summary) under a
+    short label, a legend with the full paths, then a per-layer routing table for each MoE model. Every row fits
+    on one line of an 80-column terminal."""
     d, s = result.data, result.settings
-    title = (f"moeify eval: {d['tokens']:,} tokens of {d['source']}; {d['windows']} windows of {s['seq_len']}, "
-             f"stride {s['stride']}; {s['device']} {s['dtype']}")
-    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
-    for name in ("model", "PPL", "× ref", "params", "active/tok", "tok/s", "routing (mean over MoE layers)"):
-        t.add_column(name, justify="left" if name in ("model", "routing (mean over MoE layers)") else "right",
-                     overflow="fold")  # fold long paths rather than cut them
-    for i, m in enumerate(result.models):
-        routing = "–"
+    console.print(f"[bold]moeify eval:[/] {d['tokens']:,} tokens of {d['source']}; {d['windows']} windows of "
+                  f"{s['seq_len']}, stride {s['stride']}; {s['device']} {s['dtype']}", highlight=False)
+    labels = model_labels(len(result.models))
+    rows = []
+    for i, (label, m) in enumerate(zip(labels, result.models)):
+        routing = ["–", "", "", ""]
         if m.routing:
             oracle = _mean([r.oracle_agreement for r in m.routing])
-            routing = (f"E{m.n_experts} k{m.top_k} ×{len(m.routing)}: aux {_mean([r.aux_loss for r in m.routing]):.2f}, "
-                       f"CV {_mean([r.load_cv for r in m.routing]):.2f}, "
-                       f"<1% {sum(r.collapsed for r in m.routing)}/{m.n_experts * len(m.routing)}"
-                       + (f", oracle {oracle:.0%}" if oracle is not None else ""))
-        t.add_row(f"{m.path} ({m.model_type})", f"{m.perplexity:.3f}", "ref" if i == 0 else f"{m.ratio:.4f}",
-                  human_count(m.total_params), human_count(m.active_params), f"{m.tokens_per_s:,.0f}", routing)
-    console.print(t)
-    for m in result.models:
-        if not m.routing:
-            continue
-        t = Table(title=f"routing of {m.path}: {m.n_experts} experts, top-{m.top_k}", title_justify="left",
-                  box=box.SIMPLE_HEAD)
-        for name in ("layer", "load per expert", "min–max f", "aux", "load CV", "<1%", "oracle top-k"):
-            t.add_column(name, justify="left" if name == "load per expert" else "right", no_wrap=True)
-        for r in m.routing:
-            t.add_row(str(r.layer), _load_bars(r.load), f"{min(r.load):.3f}–{max(r.load):.3f}", f"{r.aux_loss:.3f}",
-                      f"{r.load_cv:.2f}", str(r.collapsed),
-                      "–" if r.oracle_agreement is None else f"{r.oracle_agreement:.1%}")
-        console.print(t)
+            routing = [f"E{m.n_experts} k{m.top_k} ×{len(m.routing)}", f"{_mean([r.load_cv for r in m.routing]):.2f}",
+                       f"{sum(r.collapsed for r in m.routing)}/{m.n_experts * len(m.routing)}",
+                       "–" if oracle is None else f"{oracle:.0%}"]
+        rows.append([label, f"{m.perplexity:.3f}", "ref" if i == 0 else f"{m.ratio:.4f}", human_count(m.total_params),
+                     human_count(m.active_params), _rate(m.tokens_per_s), *routing])
+    console.print(_table("", ["model", "PPL", "× ref", "params", "active", "tok/s", "MoE", "CV", "<1%", "oracle"],
+                         rows, left=(0, 6)))
+    for label, m in zip(labels, result.models):
+        console.print(f"  {label}  {m.path} ({m.model_type}{', reference' if m is result.models[0] else ''})",
+                      soft_wrap=True, highlight=False)
+    for label, m in zip(labels, result.models):
+        if m.routing:
+            console.print(_routing_table(console, label, m))
     if any(m.routing for m in result.models):
-        console.print("[dim]E experts, top-k, ×MoE layers. f: share of tokens routed to an expert (sums to k); aux: "
-                      "N·Σ f·P (P: mean router probability; k when f or P is even); CV: std/mean of expert loads; "
-                      "<1%: experts with f < 0.01; oracle: tokens whose top-k equals the top-k by true expert output "
-                      "norm. tok/s: window tokens per second of forward (routing statistics excluded).[/]")
+        console.print("[dim]MoE: experts E, top-k, ×MoE layers. f: share of tokens routed to an expert (sums to k); "
+                      "aux: N·Σ f·P (P: mean router probability; k when f or P is even); CV, load CV: std/mean of "
+                      "expert loads (main table: mean over layers); <1%: experts with f < 0.01; oracle: tokens whose top-k equals the "
+                      "top-k by true expert output norm. tok/s: window tokens per second of forward (routing "
+                      "statistics excluded). active: parameters used per token.[/]")
+
+
+def _rate(tokens_per_s: float) -> str:
+    return f"{tokens_per_s:,.0f}" if tokens_per_s < 100_000 else human_count(tokens_per_s)
+
+
+def _routing_table(console: Console, label: str, m) -> Table:
+    """Per-layer routing of one MoE model. The load bars get one character per expert, or per group of experts
+    (the group's busiest) when there are more experts than the terminal has room for."""
+    rows = [[str(r.layer), f"{min(r.load):.3f}–{max(r.load):.3f}", f"{r.aux_loss:.3f}", f"{r.load_cv:.2f}",
+             str(r.collapsed), "–" if r.oracle_agreement is None else f"{r.oracle_agreement:.1%}"] for r in m.routing]
+    others = sum(max(len(c), *(len(r[i]) for r in rows)) + 1 for i, c in enumerate(ROUTING_COLUMNS))
+    room = max(8, console.width - others - 1)
+    group = -(-m.n_experts // room)
+    for row, r in zip(rows, m.routing):
+        load = [max(r.load[e:e + group]) for e in range(0, len(r.load), group)]
+        row.insert(1, _load_bars(load))
+    head = "load per expert" if group == 1 else f"load ({group} experts/char)"
+    return _table(f"routing of {label}: {m.n_experts} experts, top-{m.top_k}", [ROUTING_COLUMNS[0], head,
+                  *ROUTING_COLUMNS[1:]], rows, left=(0, 1))
 
 
 def print_plan(console: Console, plan, out: Path) -> None:
@@ -193,14 +213,15 @@ def _fit_short(rule, tp: int) -> str:
     return "no" if not tp else "yes" if not rule.per_gpu else f"TP ≤ {tp}"
 
 
-def _table(title: str, columns: list[str], rows: list[list[str]]) -> Table:
-    """A table whose cells never get cut: each column is at least as wide as its widest cell; headers may wrap."""
+def _table(title: str, columns: list[str], rows: list[list[str]], left: tuple[int, ...] = (0,)) -> Table:
+    """A table whose cells never get cut: each column is at least as wide as its widest cell; headers
+    may wrap. Columns in `left` are left-justified, the others right-justified."""
     from rich import box
 
-    t = Table(title=title, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD, pad_edge=False,
+    t = Table(title=title or None, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD, pad_edge=False,
               show_edge=False, padding=(0, 1, 0, 0))  # one space between columns: 8 columns fit 80 characters
     for c, name in enumerate(columns):
-        t.add_column(name, justify="left" if c == 0 else "right", min_width=max(len(r[c]) for r in rows))
+        t.add_column(name, justify="left" if c in left else "right", min_width=max(len(r[c]) for r in rows))
     for r in rows:
         t.add_row(*r)
     return t
