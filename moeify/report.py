@@ -159,8 +159,8 @@ def _print_serving_advice(console: Console, d_ff: int, experts: int, shared: int
 def calibration_summary(calib: dict) -> str:
     """How many calibration tokens were used, out of how many the text has."""
     asked = calib.get("requested_tokens")
-    how = f"--calib-tokens {asked:,}" if asked else f"default: all of it in whole windows, up to {CALIB_TOKENS_CAP:,}"
-    return (f"calibrated on {calib['tokens']:,} of the calibration text's {calib['text_tokens']:,} tokens "
+    how = f"--calib-tokens {asked:,}" if asked else f"default: all, up to {CALIB_TOKENS_CAP:,}"
+    return (f"calibrated on {calib['tokens']:,} of the text's {calib['text_tokens']:,} tokens "
             f"({calib['windows']} windows of {calib['seq_len']}; {how})")
 
 

@@ -223,8 +223,8 @@ def test_default_calib_tokens_use_all_the_text_and_say_so(tmp_path, calib_model)
     assert dry.exit_code == 0 and "all tokens, up to 65,536 of 1 file(s), windows of 64" in dry.output, dry.output
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
-    assert (f"calibrated on {used:,} of the calibration text's {n_text:,} tokens ({used // 64} windows of 64; "
-            "default: all of it in whole windows, up to 65,536)") in " ".join(result.output.split())
+    assert (f"calibrated on {used:,} of the text's {n_text:,} tokens ({used // 64} windows of 64; "
+            "default: all, up to 65,536)") in " ".join(result.output.split())
     calib = json.loads((tmp_path / "moe" / "report.json").read_text())["calibration"]
     assert calib["tokens"] == used and calib["text_tokens"] == n_text and calib["requested_tokens"] is None
     preset = tmp_path / "moe" / "moeify.toml"
