@@ -144,6 +144,18 @@ def test_calibrated_all_experts_active_is_exact(tmp_path, calib_model):
     assert max_logit_diff(calib_model, tmp_path / "moe") <= 1e-4
 
 
+def test_calibrated_padded_all_experts_active_is_exact_at_default_tolerance(tmp_path, calib_model):
+    """Calibrated carving (refit down_proj, fitted router) with experts zero-padded to 128 and default flags:
+    k = N reproduces the dense logits (zero router) and verify accepts the padding."""
+    from moeify.verify import verify_checkpoint
+
+    cfg = build_config(experts=4, top_k=4, shared=0, pad_experts_to=128, **CALIB)
+    report = run_conversion(plan_conversion(calib_model, cfg), tmp_path / "moe")
+    assert report["padded_expert_width"] == 128 and all(lay["router_scale"] == 0.0 for lay in report["layers"])
+    assert max_logit_diff(calib_model, tmp_path / "moe") <= 1e-5
+    assert not verify_checkpoint(tmp_path / "moe", calib_model).problems
+
+
 def test_stats_reuse_gives_identical_output(tmp_path, calib_model):
     cfg = build_config(experts=4, top_k=2, method="activation", **CALIB)
     run_conversion(plan_conversion(calib_model, cfg), tmp_path / "a")
