@@ -182,7 +182,8 @@ def convert(
     allow_nonfinite: bool = typer.Option(False, help="Convert tensors that contain NaN/Inf (with a warning) instead "
                                          "of refusing them."),
     overwrite: bool = typer.Option(False, help="Replace OUT (and any leftover OUT.moeify-partial) if it exists."),
-    dry_run: bool = typer.Option(False, help="Print the plan (sizes, parameters, FLOPs) and write nothing."),
+    dry_run: bool = typer.Option(False, help="Print the plan (sizes, parameters, FLOPs, which quantized serving "
+                                 "formats the expert width suits) and write nothing."),
     json_dest: Optional[str] = _json_option("The plan (--dry-run) or the conversion report (OUT/report.json)."),
     eval_data: Optional[str] = typer.Option(None, "--eval", help="After converting, compare source and output "
                                             "(`moeify eval SRC OUT --data EVAL`): a .txt/.jsonl file, or 'sample' "
