@@ -350,6 +350,8 @@ def dynamic_analysis(path: str | Path, data: str | Path, max_tokens: int = 512, 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.activations import ACT2FN
 
+    from .evaluate import encode_text
+
     path, data = Path(path), Path(data)
     reader = CheckpointReader(path)
     layout = read_layout(path, reader)
@@ -360,7 +362,7 @@ def dynamic_analysis(path: str | Path, data: str | Path, max_tokens: int = 512, 
     except Exception as exc:  # transformers raises many types for missing/bad tokenizer files
         raise MoeifyError(f"{path} has no usable tokenizer ({type(exc).__name__})",
                           "copy the tokenizer files of the source checkpoint into it") from None
-    ids = tok(text, return_tensors="pt")["input_ids"][:, :max_tokens]
+    ids = torch.tensor([encode_text(tok, text)[:max_tokens]], dtype=torch.long)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit:

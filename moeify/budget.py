@@ -4,6 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+EXPERT_ALIGN = 8  # transformers' grouped_mm experts kernel needs 16-byte rows: 8 bf16/fp16 (4 fp32) elements
+
+
+def padded_width(width: int, multiple: int = EXPERT_ALIGN) -> int:
+    """Routed experts are padded with zero neurons to a multiple of `multiple` (--pad-experts-to, default
+    EXPERT_ALIGN). A zero neuron (zero gate/up rows, zero down column) adds silu(0) * 0 = 0 to the output, so
+    padding is exact; it only costs the padded rows."""
+    return -(-width // multiple) * multiple
+
 
 @dataclass(frozen=True)
 class Budget:

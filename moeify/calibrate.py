@@ -50,9 +50,17 @@ def read_texts(files: list[str | Path]) -> str:
     return text
 
 
-def calibration_tokens(src_path: Path, files: list[str | Path], n_tokens: int, seq_len: int) -> torch.Tensor:
-    """Tokenize with the checkpoint's own tokenizer; return (n_seq, seq_len) windows covering n_tokens."""
+def calibration_tokens(src_path: Path, files: list[str | Path], n_tokens: int,
+                       seq_len: int) -> tuple[torch.Tensor, int]:
+    """Tokenize with the checkpoint's own tokenizer; return ((n_seq, seq_len) windows covering n_tokens, the
+    number of tokens in the text).
+
+    n_tokens 0 (no --calib-tokens): as many whole windows as the text fills, up to CALIB_TOKENS_CAP tokens.
+    An explicit n_tokens larger than the text is an error."""
     from transformers import AutoTokenizer
+
+    from .config import CALIB_TOKENS_CAP
+    from .evaluate import encode_text
 
     text = read_texts(files)
     try:
@@ -60,17 +68,19 @@ def calibration_tokens(src_path: Path, files: list[str | Path], n_tokens: int, s
     except Exception as exc:  # noqa: BLE001 - transformers raises many types for a missing tokenizer
         raise MoeifyError(f"{src_path} has no usable tokenizer ({exc.__class__.__name__})",
                           "calibration needs the checkpoint's tokenizer files (tokenizer.json)") from None
-    ids = tok(text, add_special_tokens=False)["input_ids"]
-    n_seq = n_tokens // seq_len
-    if n_seq < 1:
+    ids = encode_text(tok, text, add_special_tokens=False)
+    if n_tokens and n_tokens < seq_len:
         raise MoeifyError(f"--calib-tokens {n_tokens} is less than one window of --calib-seq-len {seq_len}")
-    if len(ids) < n_seq * seq_len:
+    n_seq = (n_tokens or min(len(ids), CALIB_TOKENS_CAP)) // seq_len
+    if n_seq < 1 or len(ids) < n_seq * seq_len:
         fits = len(ids) // seq_len * seq_len
         hint = (f"add text to --calib or lower --calib-tokens (to at most {fits})" if fits else
                 f"add text to --calib (it is shorter than one window of --calib-seq-len {seq_len}) "
                 f"or lower --calib-seq-len (to at most {len(ids)})")
-        raise MoeifyError(f"calibration text has {len(ids)} tokens, fewer than --calib-tokens {n_tokens}", hint)
-    return torch.tensor(ids[: n_seq * seq_len]).view(n_seq, seq_len)
+        what = (f"calibration text has {len(ids)} tokens, fewer than --calib-tokens {n_tokens}" if n_tokens else
+                f"calibration text has {len(ids)} tokens, fewer than one window of --calib-seq-len {seq_len}")
+        raise MoeifyError(what, hint)
+    return torch.tensor(ids[: n_seq * seq_len]).view(n_seq, seq_len), len(ids)
 
 
 # ------------------------------------------------------------------------------------- layer-by-layer forward
@@ -157,7 +167,7 @@ def calibrate_and_carve(plan, tmp: Path, progress=None) -> tuple[dict, dict]:
     cfg, src, reader = plan.cfg, plan.src, plan.reader
     device = resolve_device(cfg.device)
     seq_len = min(cfg.calib_seq_len, int(src.raw.get("max_position_embeddings") or cfg.calib_seq_len))
-    tokens = calibration_tokens(src.path, list(cfg.calib), cfg.calib_tokens, seq_len)
+    tokens, text_tokens = calibration_tokens(src.path, list(cfg.calib), cfg.calib_tokens, seq_len)
     stats_in = _load_stats(cfg.stats) if cfg.stats else None
     model = LayerwiseModel(src, reader, tokens, device=device)
     corrected = cfg.calib_feed == "corrected"
@@ -199,7 +209,9 @@ def calibrate_and_carve(plan, tmp: Path, progress=None) -> tuple[dict, dict]:
         del layer, h_mid, x, act, carved_out, dense_out, target
         if progress:
             progress("calibrating", i + 1, src.n_layers)
-    info = {"tokens": int(tokens.numel()), "seq_len": seq_len, "device": device, "feed": cfg.calib_feed}
+    info = {"tokens": int(tokens.numel()), "windows": int(tokens.shape[0]), "seq_len": seq_len,
+            "text_tokens": text_tokens, "requested_tokens": cfg.calib_tokens or None, "device": device,
+            "feed": cfg.calib_feed}
     if cfg.dense_auto:
         sensitivity = {i: c.metrics["rel_error"] for i, c in carved.items()}
         info["dense_layers"] = sorted(sorted(sensitivity, key=lambda i: -sensitivity[i])[: cfg.dense_auto])

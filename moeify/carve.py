@@ -39,6 +39,13 @@ class CarvedLayer:
                 "perm_sha256": perm_hash(self.part.perm), "perm": self.part.perm.tolist(), **self.metrics}
 
 
+def gate_scale(router: torch.Tensor, norm_weight: torch.Tensor, cfg) -> float:
+    """The unit-gate router scale. With every expert active (top_k == experts) the router's order does not matter,
+    so the scale is 0: a zero router gives every token gates of exactly 1/N, i.e. the dense FFN to float precision
+    whatever --gate-tolerance says."""
+    return 0.0 if cfg.top_k == cfg.experts else unit_gate_scale(router, norm_weight, cfg.gate_tolerance)
+
+
 def shared_count(d_ff: int, experts: int, shared: int) -> int:
     return shared * (d_ff // (experts + shared))
 
@@ -50,7 +57,7 @@ def carve_weight_only(gate, up, down, norm_weight, cfg) -> CarvedLayer:
                              n_shared=shared_count(gate.shape[0], cfg.experts, cfg.shared),
                              seed=cfg.seed, kmeans_iters=cfg.kmeans_iters, device=resolve_device(cfg.device))
     router = build_router(cfg.router, gate, part)
-    return CarvedLayer(part, router, unit_gate_scale(router, norm_weight, cfg.gate_tolerance))
+    return CarvedLayer(part, router, gate_scale(router, norm_weight, cfg))
 
 
 @torch.no_grad()
@@ -108,6 +115,6 @@ def carve_calibrated(x: torch.Tensor, gate, up, down, norm_weight, cfg, stats=No
     out = routed_output(act, scores, part, cfg.top_k, weights.get("down", down))
     metrics["rel_error"] = ((out - y).pow(2).sum() / y.pow(2).sum().clamp_min(1e-30)).item()
     cpu_part = Partition(part.perm.cpu(), part.n_shared, part.n_experts, part.expert_width)
-    layer = CarvedLayer(cpu_part, router.cpu(), unit_gate_scale(router, norm_weight, cfg.gate_tolerance),
+    layer = CarvedLayer(cpu_part, router.cpu(), gate_scale(router, norm_weight, cfg),
                         weights={k: v.cpu() for k, v in weights.items()}, tuned=tuned, metrics=metrics)
     return layer, out, dense_out

@@ -44,8 +44,36 @@ def _progress() -> Progress:
                     TimeRemainingColumn(), console=console, transient=False)
 
 
-def _run_eval(models: list[Path], data: Optional[str], settings, json_path: Optional[Path] = None,
-              plot: Optional[Path] = None) -> None:
+JSON_HELP = "Write them as JSON to this file, or to stdout with '-' (the tables then go to stderr)."
+
+
+def _json_option(what: str):
+    return typer.Option(None, "--json", metavar="PATH|-", help=f"{what} {JSON_HELP}")
+
+
+def _tables(json_dest: Optional[str]) -> Console:
+    """Where human-readable output goes: stdout, unless stdout carries the JSON (--json -)."""
+    return console if json_dest == "-" else out_console
+
+
+def _write_json(data: dict, dest: str) -> None:
+    """Every command's --json: PATH writes a file (and says so), '-' prints the JSON alone on stdout."""
+    text = json.dumps(data, indent=1) + "\n"
+    if dest == "-":
+        typer.echo(text, nl=False)
+        return
+    path = Path(dest)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as exc:
+        raise MoeifyError(f"--json {path} cannot be written ({exc.strerror or exc.__class__.__name__})",
+                          "give a writable file path, or '-' for stdout") from None
+    console.print(f"[bold green]wrote[/] {escape(str(path))}", highlight=False, soft_wrap=True)
+
+
+def _run_eval(models: list[Path], data: Optional[str], settings, json_dest: Optional[str] = None,
+              plot: Optional[Path] = None, tables: Optional[Console] = None) -> None:
     """Shared by `eval` and `convert --eval`: perplexity and routing of every model, one table."""
     from .evaluate import evaluate, plot_routing, require_matplotlib
     from .report import print_eval
@@ -61,13 +89,11 @@ def _run_eval(models: list[Path], data: Optional[str], settings, json_path: Opti
             bar.update(tasks[stage], completed=done)
 
         result = evaluate(models, data, settings, progress=on_progress)
-    print_eval(out_console, result)
-    if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result.to_json(), indent=1) + "\n")
-        out_console.print(f"[bold green]wrote[/] {json_path}")
+    print_eval(tables or _tables(json_dest), result)
+    if json_dest:
+        _write_json(result.to_json(), json_dest)
     if plot:
-        out_console.print(f"[bold green]wrote[/] {plot_routing(result, plot)}")
+        console.print(f"[bold green]wrote[/] {plot_routing(result, plot)}")
 
 
 @app.command("eval")
@@ -88,7 +114,7 @@ def eval_cmd(
                               "| float32."),
     oracle: bool = typer.Option(True, "--oracle/--no-oracle", help="Also run every expert on every token to score "
                                 "the router against the top-k by true expert output norm (costs a dense FFN)."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every number (per-layer, per-expert) here."),
+    json_dest: Optional[str] = _json_option("Every number (per layer, per expert)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="PNG of per-layer expert load heatmaps (needs "
                                         "matplotlib: pip install 'moeify[plot]')."),
 ) -> None:
@@ -101,7 +127,7 @@ def eval_cmd(
     try:
         settings = EvalSettings(seq_len=seq_len, stride=stride, max_tokens=max_tokens, batch_size=batch_size,
                                 device=device, dtype=dtype, oracle=oracle)
-        _run_eval(models, data, settings, json_path, plot)
+        _run_eval(models, data, settings, json_dest, plot)
     except MoeifyError as exc:
         _fail(exc)
 
@@ -130,11 +156,15 @@ def convert(
     kmeans_iters: Optional[int] = typer.Option(None, help="Lloyd iterations of balanced k-means [default: 8]."),
     dtype: Optional[str] = typer.Option(None, help="Output dtype: auto (keep source) | bfloat16 | float16 | float32."),
     max_shard_size: Optional[str] = typer.Option(None, help="Max bytes per output shard, e.g. 5GB, 500MB [default: 5GB]."),
+    pad_experts_to: Optional[int] = typer.Option(None, help="Zero-pad every routed expert's width to a multiple of this "
+                                                 "(exact: zero neurons add nothing), e.g. 128 or 256 for quantized "
+                                                 "serving; --dry-run says which formats a width suits [default: 8]."),
     untie_embeddings: Optional[bool] = typer.Option(None, "--untie-embeddings/--keep-tied", help="Write an explicit "
                                                     "lm_head copy for tied-embedding sources [default: keep tied]."),
     calib: Optional[list[Path]] = typer.Option(None, "--calib", help="Calibration text (.txt, or .jsonl with a 'text' "
                                                "field); repeat for several files. Enables calibrated carving."),
-    calib_tokens: Optional[int] = typer.Option(None, help="Calibration tokens [default: 65536]."),
+    calib_tokens: Optional[int] = typer.Option(None, help="Calibration tokens; more than the text has is an error "
+                                              "[default: all of the text, up to 65536]."),
     calib_seq_len: Optional[int] = typer.Option(None, help="Calibration window length [default: 512, capped at "
                                                 "the model's max_position_embeddings]."),
     calib_feed: Optional[str] = typer.Option(None, help="Next layer's calibration input: dense (the dense layer's "
@@ -151,13 +181,16 @@ def convert(
                                          "earlier calibrated run) instead of recomputing them."),
     device: Optional[str] = typer.Option(None, help="Where calibration, k-means clustering and router fitting "
                                          "run: auto (a GPU if there is one) | cpu | cuda [default: auto]."),
-    preset: Optional[Path] = typer.Option(None, help="TOML preset (e.g. configs/e8k2.toml); flags override it."),
+    preset: Optional[Path] = typer.Option(None, help="TOML preset (e.g. configs/active-50.toml); flags override "
+                                          "it."),
     allow_pickle: bool = typer.Option(False, help="Read pytorch_model*.bin weights when SRC has no safetensors, with "
                                       "torch.load(weights_only=True) (tensors only, no code runs)."),
     allow_nonfinite: bool = typer.Option(False, help="Convert tensors that contain NaN/Inf (with a warning) instead "
                                          "of refusing them."),
     overwrite: bool = typer.Option(False, help="Replace OUT (and any leftover OUT.moeify-partial) if it exists."),
-    dry_run: bool = typer.Option(False, help="Print the plan (sizes, parameters, FLOPs) and write nothing."),
+    dry_run: bool = typer.Option(False, help="Print the plan (sizes, parameters, FLOPs, which quantized serving "
+                                 "formats the expert width suits) and write nothing."),
+    json_dest: Optional[str] = _json_option("The plan (--dry-run) or the conversion report (OUT/report.json)."),
     eval_data: Optional[str] = typer.Option(None, "--eval", help="After converting, compare source and output "
                                             "(`moeify eval SRC OUT --data EVAL`): a .txt/.jsonl file, or 'sample' "
                                             "for the bundled sample."),
@@ -174,6 +207,7 @@ def convert(
         cfg = build_config(preset, experts=experts, top_k=top_k, shared=shared, method=method, router=router,
                            format=format, dense_layers=dense_layers, gate_tolerance=gate_tolerance, seed=seed,
                            kmeans_iters=kmeans_iters, dtype=dtype, max_shard_size=max_shard_size,
+                           pad_experts_to=pad_experts_to,
                            untie_embeddings=untie_embeddings, calib=calib, calib_tokens=calib_tokens,
                            calib_seq_len=calib_seq_len, calib_feed=calib_feed, compensate=compensate,
                            stats=str(stats) if stats else None, device=device, tune_epochs=tune_epochs,
@@ -183,14 +217,19 @@ def convert(
 
             read_text(eval_data)
         plan = plan_conversion(src, cfg, allow_pickle=allow_pickle, allow_nonfinite=allow_nonfinite)
-        print_plan(out_console, plan, out)
+        tables = _tables(json_dest)
+        print_plan(tables, plan, out)
         if dry_run:
-            out_console.print("[dim]--dry-run: nothing written[/]")
+            tables.print("[dim]--dry-run: nothing written[/]")
+            if json_dest:
+                _write_json(plan.summary(), json_dest)
             return
         with _progress() as bar:
             on_progress = _stage_callback(bar)
             report = run_conversion(plan, out, overwrite=overwrite, progress=on_progress)
-        print_result(out_console, report, out)
+        print_result(tables, report, out)
+        if json_dest:
+            _write_json(report, json_dest)
         if plan.reader.nonfinite:
             bad = plan.reader.nonfinite
             console.print(f"[bold yellow]warning:[/] {len(bad)} source tensor(s) had NaN/Inf values and were converted "
@@ -199,7 +238,7 @@ def convert(
         if eval_data:
             from .evaluate import EvalSettings
 
-            _run_eval([src, out], eval_data, EvalSettings())
+            _run_eval([src, out], eval_data, EvalSettings(), tables=tables)
     except MoeifyError as exc:
         _fail(exc)
     except KeyboardInterrupt:
@@ -214,7 +253,7 @@ def plan_cmd(
     top_k: int = typer.Option(2, "--top-k", "-k", help="Routed experts active per token."),
     shared: int = typer.Option(0, "--shared", help="Always-on shared expert, in units of one expert's width."),
     expert_width: Optional[int] = typer.Option(None, "--expert-width", help="Add a row for this expert width."),
-    as_json: bool = typer.Option(False, "--json", help="Print the numbers as JSON instead of a table."),
+    json_dest: Optional[str] = _json_option("The numbers of every regime, with serving fit."),
 ) -> None:
     """Parameters, activated parameters and FFN FLOPs per token of an MoE built from a dense config, for the
     max-capacity (width d_ff), constant-compute (d_ff/k), inference-saving (d_ff/N, what convert carves) and
@@ -222,17 +261,16 @@ def plan_cmd(
 
     Example: moeify plan path/to/Llama-3-8B/config.json --experts 8 --top-k 2
     """
-    from .plan import plan_from_path, plan_json
+    from .plan import plan_from_path
     from .report import print_moe_plan
 
     try:
         result = plan_from_path(src, experts=experts, top_k=top_k, shared=shared, expert_width=expert_width)
+        print_moe_plan(_tables(json_dest), result)
+        if json_dest:
+            _write_json(result.to_dict(), json_dest)
     except MoeifyError as exc:
         _fail(exc)
-    if as_json:
-        out_console.print_json(plan_json(result))
-    else:
-        print_moe_plan(out_console, result)
 
 
 @app.command("inspect")
@@ -245,6 +283,7 @@ def inspect_cmd(
     output_dir: Optional[Path] = typer.Option(None, "--output-dir", "-o", help="Where inspect.json and PNGs go "
                                               "[default: OUT/inspect]."),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="Write PNG figures (needs matplotlib: moeify[plot])."),
+    json_dest: Optional[str] = _json_option("Every number (also written to OUTPUT_DIR/inspect.json)."),
 ) -> None:
     """Expert/router similarity analyses of "A Closer Look into Mixture-of-Experts in LLMs", per MoE layer.
 
@@ -260,7 +299,12 @@ def inspect_cmd(
                                  out_dir=output_dir, plots=plots, progress=on_progress)
     except MoeifyError as exc:
         _fail(exc)
-    print_inspect(out_console, result)
+    print_inspect(_tables(json_dest), result)
+    if json_dest:
+        try:
+            _write_json(result, json_dest)
+        except MoeifyError as exc:
+            _fail(exc)
 
 
 @app.command("verify")
@@ -274,6 +318,7 @@ def verify_cmd(
     allow_pickle: bool = typer.Option(False, help="Read a pickled (pytorch_model*.bin) source with "
                                       "torch.load(weights_only=True)."),
     seq_len: int = typer.Option(16, min=1, help="Tokens of the random input for the logits comparison."),
+    json_dest: Optional[str] = _json_option("The checks, skips, problems and logit difference."),
 ) -> None:
     """Check a converted checkpoint: config, index and headers agree, every tensor has its shape and dtype, no NaN/Inf;
     with --against SRC, the experts un-permute to the source FFN bit for bit and all-experts-active logits match.
@@ -292,17 +337,23 @@ def verify_cmd(
                                        seq_len=seq_len, progress=on_progress)
     except MoeifyError as exc:
         _fail(exc)
+    tables = _tables(json_dest)
     for line in result.checked:
-        out_console.print(f"[green]checked[/] {escape(line)}", highlight=False, soft_wrap=True)
+        tables.print(f"[green]checked[/] {escape(line)}", highlight=False, soft_wrap=True)
     for line in result.skipped:
-        out_console.print(f"[yellow]skipped[/] {escape(line)}", highlight=False, soft_wrap=True)
+        tables.print(f"[yellow]skipped[/] {escape(line)}", highlight=False, soft_wrap=True)
+    if json_dest:
+        try:
+            _write_json(result.to_json(), json_dest)
+        except MoeifyError as exc:
+            _fail(exc)
     if result.problems:
         for line in result.problems:
             console.print(f"[bold red]problem:[/] {escape(line)}", highlight=False, soft_wrap=True)
         console.print(f"[bold red]error:[/] {out} failed verification ({len(result.problems)} problem(s))",
                       highlight=False, soft_wrap=True)
         raise typer.Exit(2)
-    out_console.print(f"[bold green]OK[/] {escape(str(out))}", highlight=False, soft_wrap=True)
+    tables.print(f"[bold green]OK[/] {escape(str(out))}", highlight=False, soft_wrap=True)
 
 
 def _on_sigterm(signum, frame) -> None:

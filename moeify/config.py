@@ -19,6 +19,7 @@ FEEDS = ("dense", "moe", "corrected")
 DEVICES = ("auto", "cpu", "cuda")
 FORMATS = ("auto", "mixtral", "qwen2_moe")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+CALIB_TOKENS_CAP = 65536  # calibration tokens used when --calib-tokens is not given (fewer if the text is shorter)
 
 
 @dataclass(frozen=True)
@@ -35,11 +36,12 @@ class ConvertConfig:
     kmeans_iters: int = 8  # Lloyd iterations of balanced k-means
     dtype: str = "auto"  # output dtype; auto keeps the source dtype
     max_shard_bytes: int = 5_000_000_000
+    pad_experts_to: int = 8  # zero-pad every routed expert's width to a multiple of this (exact; 128/256 for quantized serving)
     untie_embeddings: bool = False  # write an explicit lm_head copy for tied sources
     dense_auto: int = 0  # keep this many most-sensitive layers dense (measured on calibration data)
     # calibration
     calib: tuple[str, ...] = ()  # .txt / .jsonl files
-    calib_tokens: int = 65536
+    calib_tokens: int = 0  # 0: all of the calibration text, up to CALIB_TOKENS_CAP
     calib_seq_len: int = 512
     calib_feed: str = "dense"  # next layer's calibration input: dense layer output or the carved layer's output;
     # corrected: the carved layer's output, and each layer is fitted to restore the dense model's residual stream
@@ -63,7 +65,7 @@ class ConvertConfig:
     def validate(self) -> None:
         """Checks that need no checkpoint. Checkpoint-dependent checks live in convert.plan_conversion."""
         for name in ("experts", "top_k", "shared", "seed", "kmeans_iters", "max_shard_bytes", "calib_tokens",
-                     "calib_seq_len", "dense_auto", "tune_epochs"):
+                     "calib_seq_len", "dense_auto", "tune_epochs", "pad_experts_to"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise MoeifyError(f"--{_flag(name)} must be an integer, got {value!r}")
@@ -87,6 +89,9 @@ class ConvertConfig:
             )
         if self.kmeans_iters < 1:
             raise MoeifyError(f"--kmeans-iters must be ≥ 1, got {self.kmeans_iters}")
+        if self.pad_experts_to < 8 or self.pad_experts_to % 8:
+            raise MoeifyError(f"--pad-experts-to must be a positive multiple of 8, got {self.pad_experts_to}",
+                              "8 (the default) keeps rows 16-byte aligned; 128 or 256 suit quantized serving (see --dry-run)")
         if self.max_shard_bytes < 1:
             raise MoeifyError(f"--max-shard-size must be positive, got {self.max_shard_bytes} bytes")
         if not (0.0 < self.gate_tolerance < 1.0):
@@ -102,8 +107,8 @@ class ConvertConfig:
                     if self.router == "fitted" else "--compensate" if self.compensate else "--tune-epochs"
                     if self.tune_epochs else "--dense-layers auto:M")
             raise MoeifyError(f"{what} needs calibration data", "pass --calib FILE (.txt or .jsonl)")
-        if self.calib_tokens < 1 or self.calib_seq_len < 2:
-            raise MoeifyError("--calib-tokens must be ≥ 1 and --calib-seq-len ≥ 2")
+        if self.calib_tokens < 0 or self.calib_seq_len < 2:
+            raise MoeifyError("--calib-tokens must be ≥ 1 (0: all the text, up to 65,536) and --calib-seq-len ≥ 2")
         if self.tune_epochs < 0:
             raise MoeifyError(f"--tune-epochs must be ≥ 0, got {self.tune_epochs}")
         if not 0.0 < self.tune_lr < 1.0:
@@ -154,7 +159,8 @@ def parse_layers(text: str | list | tuple | None) -> tuple[int, ...]:
 def load_preset(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
-        raise MoeifyError(f"preset {path} not found", "pass a TOML file, e.g. --preset configs/e8k2.toml")
+        raise MoeifyError(f"preset {path} not found",
+                          "pass a TOML file, e.g. --preset configs/active-50.toml (or an earlier output's moeify.toml)")
     try:
         data = tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
@@ -192,6 +198,11 @@ def build_config(preset: str | Path | None = None, **flags) -> ConvertConfig:
     return cfg
 
 
+def config_to_dict(cfg: ConvertConfig) -> dict:
+    """Resolved settings as JSON-ready values (report.json, convert --json)."""
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()}
+
+
 def config_to_toml(cfg: ConvertConfig, extra: dict | None = None) -> str:
     """Resolved settings as TOML (written to OUT/moeify.toml; usable again as --preset)."""
     lines = []
@@ -214,4 +225,4 @@ def _toml_value(v) -> str:
     return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-__all__ = ["ConvertConfig", "build_config", "config_to_toml", "load_preset", "parse_size", "parse_layers"]
+__all__ = ["ConvertConfig", "build_config", "config_to_dict", "config_to_toml", "load_preset", "parse_size", "parse_layers"]

@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from . import __version__
-from .budget import Budget, carve_budget
+from .budget import Budget, carve_budget, padded_width
 from .checkpoint import (DTYPE_NAMES, SPILL_DIR, BackgroundWriter, CheckpointReader, ShardLayout, ShardWriter, TensorInfo,
                          check_free_space, check_links, check_output_path, commit_output, prepare_output)
-from .config import ConvertConfig, config_to_toml
+from .config import ConvertConfig, config_to_dict, config_to_toml
 from .errors import MoeifyError
 from .carve import CarvedLayer, carve_weight_only
 from .families import (TOKENIZER_FILES, SourceModel, attention_extras, check_source_tensors, ffn_tensor_names,
@@ -49,11 +49,23 @@ class ConversionPlan:
 
     @property
     def padded_width(self) -> int:
-        return padded_width(self.expert_width)
+        return padded_width(self.expert_width, self.cfg.pad_experts_to)
 
     @property
     def output_bytes(self) -> int:
         return self.layout.total_bytes()
+
+    def summary(self) -> dict:
+        """The plan as `convert --dry-run --json` writes it: settings, widths, budget, output size, serving fit."""
+        from .plan import serving_json
+
+        b = self.budget
+        return {"source": str(self.src.path), "format": self.fmt, "output_dtype": str(self.out_dtype).removeprefix("torch."),
+                "settings": config_to_dict(self.cfg),
+                "expert_width": self.expert_width, "padded_expert_width": self.padded_width,
+                "shared_width": self.shared_width, "total_params": b.total_params, "active_params": b.active_params,
+                "ffn_flops_ratio": b.flops_ratio, "output_bytes": self.output_bytes, "shards": len(self.layout.files),
+                "serving": serving_json(self.padded_width)}
 
 
 def plan_conversion(src_path: str | Path, cfg: ConvertConfig, *, allow_pickle: bool = False,
@@ -89,15 +101,6 @@ def plan_conversion(src_path: str | Path, cfg: ConvertConfig, *, allow_pickle: b
     return _derive_plan(src, reader, cfg, fmt, width, out_dtype)
 
 
-EXPERT_ALIGN = 8  # transformers' grouped_mm experts kernel needs 16-byte rows: 8 bf16/fp16 (4 fp32) elements
-
-
-def padded_width(width: int) -> int:
-    """Routed experts are padded with zero neurons to a multiple of EXPERT_ALIGN. A zero neuron adds
-    silu(0) * 0 = 0 to the output, so padding is exact; it only costs the padded rows."""
-    return -(-width // EXPERT_ALIGN) * EXPERT_ALIGN
-
-
 def _derive_plan(src: SourceModel, reader: CheckpointReader, cfg: ConvertConfig, fmt: str, width: int,
                  out_dtype: torch.dtype) -> ConversionPlan:
     """Everything that follows from the settings: output tensors, shard layout, config.json, budget."""
@@ -105,14 +108,15 @@ def _derive_plan(src: SourceModel, reader: CheckpointReader, cfg: ConvertConfig,
     n_dense = len(cfg.dense_layers) or cfg.dense_auto
     tensors = _output_tensors(src, reader, fmt, cfg, width, out_dtype, tied_out)
     layout = ShardLayout.plan(tensors, cfg.max_shard_bytes)
-    config_json = target_config(src, fmt, experts=cfg.experts, top_k=cfg.top_k, expert_width=padded_width(width),
+    stored = padded_width(width, cfg.pad_experts_to)
+    config_json = target_config(src, fmt, experts=cfg.experts, top_k=cfg.top_k, expert_width=stored,
                                 shared_width=cfg.shared * width, dense_layers=cfg.dense_layers, dtype=out_dtype,
                                 tied=tied_out)
     expected = src.expected_tensors()
     other = sum(math.prod(shape) for n, shape in expected.items() if ".mlp." not in n)
     budget = carve_budget(hidden=src.hidden, d_ff=src.d_ff, n_layers=src.n_layers, other_params=other,
-                          experts=cfg.experts, top_k=cfg.top_k, expert_width=width, shared_width=cfg.shared * width,
-                          dense_layers=n_dense)
+                          experts=cfg.experts, top_k=cfg.top_k, expert_width=stored, shared_width=cfg.shared * width,
+                          dense_layers=n_dense)  # zero padding is stored and computed: counted
     return ConversionPlan(src, cfg, fmt, out_dtype, width, cfg.shared * width, tied_out, tensors, layout, config_json,
                           budget, reader)
 
@@ -148,7 +152,10 @@ def _ffn_shape(name: str, src: SourceModel, cfg: ConvertConfig, width: int, dens
         return (1, h)
     if name.endswith(".gate.weight"):
         return (cfg.experts, h)
-    w = src.d_ff if dense else (cfg.shared * width if ".shared_expert." in name else padded_width(width))
+    if dense:
+        w = src.d_ff
+    else:
+        w = cfg.shared * width if ".shared_expert." in name else padded_width(width, cfg.pad_experts_to)
     return (h, w) if name.endswith(("w2.weight", "down_proj.weight")) else (w, h)
 
 
@@ -161,7 +168,7 @@ def ffn_output_tensors(fmt: str, layer_idx: int, part: Partition, router: torch.
     """The target tensors of one carved FFN. Selected experts get weight ~1/k, so down_proj is multiplied by k;
     the Qwen2-MoE shared expert gets sigmoid(0) = 1/2, so its down_proj is multiplied by 2."""
     k = cfg.top_k
-    pad = padded_width(part.expert_width) - part.expert_width
+    pad = padded_width(part.expert_width, cfg.pad_experts_to) - part.expert_width
     names = iter(ffn_tensor_names(fmt, layer_idx, cfg.experts, dense=False, shared=cfg.shared > 0))
     out = {next(names): router.to(dtype)}
     for e in range(cfg.experts):
@@ -291,9 +298,11 @@ def _write_metadata(plan: ConversionPlan, tmp: Path, layers_report: list[dict], 
                   "expert_width": plan.expert_width, "padded_expert_width": plan.padded_width,
                   "shared_width": plan.shared_width,
                   "output_dtype": str(plan.out_dtype).removeprefix("torch.")}
+    if calib_info:
+        provenance["calib_tokens_used"] = calib_info["tokens"]
     (tmp / "moeify.toml").write_text(config_to_toml(plan.cfg, provenance))
     b = plan.budget
-    report = {**provenance, "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in plan.cfg.__dict__.items()},
+    report = {**provenance, "settings": config_to_dict(plan.cfg),
               "total_params": b.total_params, "active_params": b.active_params, "ffn_flops_ratio": b.flops_ratio,
               "seconds": round(seconds, 3), "calibration": calib_info, "layers": layers_report}
     (tmp / "report.json").write_text(json.dumps(report) + "\n")

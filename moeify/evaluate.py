@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -108,8 +109,28 @@ def check_same_tokenizer(ref, ref_path: Path, tok, path: Path, probe: str) -> No
                           "normalisation)", "all models must share the reference model's tokenizer")
 
 
+class _DropLongSequenceWarning(logging.Filter):
+    """transformers warns when a text has more tokens than the model's context ("Token indices sequence length is
+    longer than the specified maximum sequence length ..."). moeify tokenizes whole texts and cuts them into
+    windows, so that warning is expected and misleading; every other tokenizer message passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token indices sequence length is longer")
+
+
+def encode_text(tokenizer, text: str, **kwargs) -> list[int]:
+    """tokenizer(text)["input_ids"] of a long text, without the too-long-sequence warning (and only that one)."""
+    log = logging.getLogger("transformers.tokenization_utils_base")
+    quiet = _DropLongSequenceWarning()
+    log.addFilter(quiet)
+    try:
+        return tokenizer(text, **kwargs)["input_ids"]
+    finally:
+        log.removeFilter(quiet)
+
+
 def tokenize(tokenizer, text: str, max_tokens: int | None = None) -> torch.Tensor:
-    ids = tokenizer(text, verbose=False)["input_ids"]
+    ids = encode_text(tokenizer, text)
     return torch.tensor(ids[:max_tokens] if max_tokens else ids, dtype=torch.long)
 
 

@@ -15,13 +15,12 @@ The numbers come from moeify.budget.carve_budget, the same function `convert --d
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .budget import Budget, carve_budget
+from .budget import Budget, carve_budget, padded_width
 from .errors import MoeifyError
 from .families import SourceModel, load_source
 
@@ -63,6 +62,7 @@ class MoePlan:
                 "total_params": r.budget.total_params, "active_params": r.budget.active_params,
                 "ffn_flops": r.budget.ffn_flops, "total_ratio": r.budget.total_ratio,
                 "active_ratio": r.budget.active_ratio, "flops_ratio": r.budget.flops_ratio,
+                "serving": serving_json(padded_width(r.expert_width)),
             } for r in self.regimes],
         }
 
@@ -133,9 +133,64 @@ def plan_moe(src: SourceModel, *, experts: int, top_k: int, shared: int = 0,
     return MoePlan(src, experts, top_k, shared, other, regimes)
 
 
+# ------------------------------------------------------------------------------ serving formats and widths
+
+
+@dataclass(frozen=True)
+class ServingRule:
+    """A quantized serving path that needs the routed expert width (the stored, padded width) to be a multiple
+    of `multiple`; with `per_gpu`, vLLM splits the width over tensor-parallel GPUs, so width / TP must be."""
+
+    name: str
+    multiple: int
+    per_gpu: bool
+    why: str
+
+
+SERVING_RULES = (
+    ServingRule("llama.cpp K-quants", 256, False, "Q4_K..Q6_K quantize rows in blocks of 256 and down_proj rows are "
+                "expert-width long; otherwise llama.cpp falls back to another type for them"),
+    ServingRule("vLLM FP8 block", 128, True, "block-quantized FP8 MoE (128×128 blocks) needs the per-GPU expert "
+                "width divisible by 128"),
+    ServingRule("vLLM int4 Marlin", 128, True, "the fused Marlin MoE kernel (GPTQ/AWQ, group size 128) needs the "
+                "per-GPU expert width divisible by 128 (64 for per-channel scales)"),
+)
+TP_SIZES = (1, 2, 4, 8)
+
+
+def serving_fit(width: int) -> list[tuple[ServingRule, int]]:
+    """(rule, largest tensor-parallel size in TP_SIZES whose per-GPU width the rule accepts; 0: none; 1 for rules
+    that do not split the width) for a stored expert width."""
+    fits = []
+    for rule in SERVING_RULES:
+        sizes = TP_SIZES if rule.per_gpu else (1,)
+        fits.append((rule, max((tp for tp in sizes if width % (rule.multiple * tp) == 0), default=0)))
+    return fits
+
+
+def friendly_expert_counts(d_ff: int, shared: int, multiple: int, limit: int = 256) -> list[int]:
+    """Routed expert counts (2..limit) that split d_ff into equal experts of a width divisible by `multiple`."""
+    return [n for n in range(2, limit + 1) if d_ff % (n + shared) == 0 and (d_ff // (n + shared)) % multiple == 0]
+
+
+def serving_advice(d_ff: int, experts: int, shared: int, width: int) -> list[str]:
+    """What to change when the stored width misses a serving rule: zero padding, or expert counts that fit."""
+    if all(tp for _, tp in serving_fit(width)):
+        return []
+    raw = d_ff // (experts + shared)
+    advice = []
+    for multiple in sorted({r.multiple for r, tp in serving_fit(width) if not tp}):
+        extra = padded_width(raw, multiple) / raw - 1
+        counts = sorted(sorted(friendly_expert_counts(d_ff, shared, multiple), key=lambda n: abs(n - experts))[:4])
+        advice.append(f"×{multiple}: --pad-experts-to {multiple} (+{extra:.0%} weights, zeros)"
+                      + (f" or --experts {', '.join(map(str, counts))}" if counts else ""))
+    return advice
+
+
 def plan_from_path(path: str | Path, **kwargs) -> MoePlan:
     return plan_moe(read_source_config(path), **kwargs)
 
 
-def plan_json(plan: MoePlan) -> str:
-    return json.dumps(plan.to_dict(), indent=2)
+def serving_json(width: int) -> dict:
+    """{rule name: largest tensor-parallel size that fits (0: none)} for a stored expert width."""
+    return {rule.name: tp for rule, tp in serving_fit(width)}

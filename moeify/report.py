@@ -7,6 +7,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from .config import CALIB_TOKENS_CAP
+from .budget import padded_width
+from .plan import SERVING_RULES, serving_advice, serving_fit
+
 
 def human_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
@@ -39,71 +43,132 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else None
 
 
-def print_eval(console: Console, result) -> None:
-    """`moeify eval`: one row per model (perplexity, ×reference, parameters, tokens/s, routing summary), then a
-    per-layer routing table for each MoE model."""
-    from rich import box
+def model_labels(n: int) -> list[str]:
+    """Short row labels for the eval tables (A, B, C, ...; M27, M28, ... past Z): paths go in a legend."""
+    return [chr(ord("A") + i) if i < 26 else f"M{i + 1}" for i in range(n)]
 
+
+ROUTING_COLUMNS = ("layer", "min–max f", "aux", "load CV", "<1%", "oracle top-k")  # plus the load bars
+
+
+def print_eval(console: Console, result) -> None:
+    """`moeify eval`: one row per model (perplexity, ×reference, parameters, tokens/s, routing summary) under a
+    short label, a legend with the full paths, then a per-layer routing table for each MoE model. Every row fits
+    on one line of an 80-column terminal."""
     d, s = result.data, result.settings
-    title = (f"moeify eval: {d['tokens']:,} tokens of {d['source']}; {d['windows']} windows of {s['seq_len']}, "
-             f"stride {s['stride']}; {s['device']} {s['dtype']}")
-    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
-    for name in ("model", "PPL", "× ref", "params", "active/tok", "tok/s", "routing (mean over MoE layers)"):
-        t.add_column(name, justify="left" if name in ("model", "routing (mean over MoE layers)") else "right",
-                     overflow="fold")  # fold long paths rather than cut them
-    for i, m in enumerate(result.models):
-        routing = "–"
+    console.print(f"[bold]moeify eval:[/] {d['tokens']:,} tokens of {d['source']}; {d['windows']} windows of "
+                  f"{s['seq_len']}, stride {s['stride']}; {s['device']} {s['dtype']}", highlight=False)
+    labels = model_labels(len(result.models))
+    rows = []
+    for i, (label, m) in enumerate(zip(labels, result.models)):
+        routing = ["–", "", "", ""]
         if m.routing:
             oracle = _mean([r.oracle_agreement for r in m.routing])
-            routing = (f"E{m.n_experts} k{m.top_k} ×{len(m.routing)}: aux {_mean([r.aux_loss for r in m.routing]):.2f}, "
-                       f"CV {_mean([r.load_cv for r in m.routing]):.2f}, "
-                       f"<1% {sum(r.collapsed for r in m.routing)}/{m.n_experts * len(m.routing)}"
-                       + (f", oracle {oracle:.0%}" if oracle is not None else ""))
-        t.add_row(f"{m.path} ({m.model_type})", f"{m.perplexity:.3f}", "ref" if i == 0 else f"{m.ratio:.4f}",
-                  human_count(m.total_params), human_count(m.active_params), f"{m.tokens_per_s:,.0f}", routing)
-    console.print(t)
-    for m in result.models:
-        if not m.routing:
-            continue
-        t = Table(title=f"routing of {m.path}: {m.n_experts} experts, top-{m.top_k}", title_justify="left",
-                  box=box.SIMPLE_HEAD)
-        for name in ("layer", "load per expert", "min–max f", "aux", "load CV", "<1%", "oracle top-k"):
-            t.add_column(name, justify="left" if name == "load per expert" else "right", no_wrap=True)
-        for r in m.routing:
-            t.add_row(str(r.layer), _load_bars(r.load), f"{min(r.load):.3f}–{max(r.load):.3f}", f"{r.aux_loss:.3f}",
-                      f"{r.load_cv:.2f}", str(r.collapsed),
-                      "–" if r.oracle_agreement is None else f"{r.oracle_agreement:.1%}")
-        console.print(t)
+            routing = [f"E{m.n_experts} k{m.top_k} ×{len(m.routing)}", f"{_mean([r.load_cv for r in m.routing]):.2f}",
+                       f"{sum(r.collapsed for r in m.routing)}/{m.n_experts * len(m.routing)}",
+                       "–" if oracle is None else f"{oracle:.0%}"]
+        rows.append([label, f"{m.perplexity:.3f}", "ref" if i == 0 else f"{m.ratio:.4f}", human_count(m.total_params),
+                     human_count(m.active_params), _rate(m.tokens_per_s), *routing])
+    console.print(_table("", ["model", "PPL", "× ref", "params", "active", "tok/s", "MoE", "CV", "<1%", "oracle"],
+                         rows, left=(0, 6)))
+    for label, m in zip(labels, result.models):
+        console.print(f"  {label}  {m.path} ({m.model_type}{', reference' if m is result.models[0] else ''})",
+                      soft_wrap=True, highlight=False)
+    for label, m in zip(labels, result.models):
+        if m.routing:
+            console.print(_routing_table(console, label, m))
     if any(m.routing for m in result.models):
-        console.print("[dim]E experts, top-k, ×MoE layers. f: share of tokens routed to an expert (sums to k); aux: "
-                      "N·Σ f·P (P: mean router probability; k when f or P is even); CV: std/mean of expert loads; "
-                      "<1%: experts with f < 0.01; oracle: tokens whose top-k equals the top-k by true expert output "
-                      "norm. tok/s: window tokens per second of forward (routing statistics excluded).[/]")
+        console.print("[dim]MoE: experts E, top-k, ×MoE layers. f: share of tokens routed to an expert (sums to k); "
+                      "aux: N·Σ f·P (P: mean router probability; k when f or P is even); CV, load CV: std/mean of "
+                      "expert loads (main table: mean over layers); <1%: experts with f < 0.01; oracle: tokens whose top-k equals the "
+                      "top-k by true expert output norm. tok/s: window tokens per second of forward (routing "
+                      "statistics excluded). active: parameters used per token.[/]")
+
+
+def _rate(tokens_per_s: float) -> str:
+    return f"{tokens_per_s:,.0f}" if tokens_per_s < 100_000 else human_count(tokens_per_s)
+
+
+def _routing_table(console: Console, label: str, m) -> Table:
+    """Per-layer routing of one MoE model. The load bars get one character per expert, or per group of experts
+    (the group's busiest) when there are more experts than the terminal has room for."""
+    rows = [[str(r.layer), f"{min(r.load):.3f}–{max(r.load):.3f}", f"{r.aux_loss:.3f}", f"{r.load_cv:.2f}",
+             str(r.collapsed), "–" if r.oracle_agreement is None else f"{r.oracle_agreement:.1%}"] for r in m.routing]
+    others = sum(max(len(c), *(len(r[i]) for r in rows)) + 1 for i, c in enumerate(ROUTING_COLUMNS))
+    room = max(8, console.width - others - 1)
+    group = -(-m.n_experts // room)
+    for row, r in zip(rows, m.routing):
+        load = [max(r.load[e:e + group]) for e in range(0, len(r.load), group)]
+        row.insert(1, _load_bars(load))
+    head = "load per expert" if group == 1 else f"load ({group} experts/char)"
+    return _table(f"routing of {label}: {m.n_experts} experts, top-{m.top_k}", [ROUTING_COLUMNS[0], head,
+                  *ROUTING_COLUMNS[1:]], rows, left=(0, 1))
 
 
 def print_plan(console: Console, plan, out: Path) -> None:
+    """`convert` (and --dry-run): the plan as label/value rows that fit an 80-column terminal."""
+    from rich import box
+
     cfg, src, b = plan.cfg, plan.src, plan.budget
-    t = Table(title=f"moeify plan: {src.path} → {out}", show_header=False, title_justify="left")
-    t.add_column(style="bold")
+    console.print(f"[bold]moeify plan:[/] {src.path} → {out}", soft_wrap=True, highlight=False)
+    t = Table(show_header=False, box=box.SIMPLE, pad_edge=False)
+    t.add_column(style="bold", no_wrap=True)
     t.add_column()
-    t.add_row("source", f"{src.model_type}, {src.n_layers} layers, hidden {src.hidden}, d_ff {src.d_ff}, "
-                        f"{src.heads} heads / {src.kv_heads} kv heads")
+    t.add_row("source", f"{src.model_type}, {src.n_layers} layers, hidden {src.hidden}, d_ff {src.d_ff}")
+    t.add_row("attention", f"{src.heads} heads, {src.kv_heads} kv heads")
     t.add_row("output format", f"{plan.fmt} ({str(plan.out_dtype).removeprefix('torch.')})")
     t.add_row("experts", f"{cfg.experts} routed, top-{cfg.top_k}" + (f", shared width {plan.shared_width}" if cfg.shared else ""))
-    t.add_row("expert width", f"{plan.expert_width} neurons (d_ff / {cfg.experts + cfg.shared})")
+    width = f"{plan.expert_width} neurons (d_ff / {cfg.experts + cfg.shared})"
+    if plan.padded_width != plan.expert_width:
+        width += f", zero-padded to {plan.padded_width}"
+    t.add_row("expert width", width)
     t.add_row("partition / router", f"{cfg.method} / {cfg.router}")
+    if cfg.needs_calibration:
+        tokens = f"{cfg.calib_tokens:,} tokens" if cfg.calib_tokens else f"all tokens, up to {CALIB_TOKENS_CAP:,}"
+        seq_len = min(cfg.calib_seq_len, int(src.raw.get("max_position_embeddings") or cfg.calib_seq_len))
+        t.add_row("calibration", f"{tokens} of {len(cfg.calib)} file(s), windows of {seq_len}")
     if cfg.dense_layers:
         t.add_row("dense layers", ", ".join(map(str, cfg.dense_layers)))
-    t.add_row("total parameters", f"{human_count(b.total_params)} ({b.total_ratio:.3f}× dense)")
-    t.add_row("active parameters / token", f"{human_count(b.active_params)} ({b.active_ratio:.3f}× dense)")
+    t.add_row("total params", f"{human_count(b.total_params)} ({b.total_ratio:.3f}× dense)")
+    t.add_row("active params / token", f"{human_count(b.active_params)} ({b.active_ratio:.3f}× dense)")
     t.add_row("FFN FLOPs / token", f"{b.flops_ratio:.3f}× dense")
     t.add_row("output size", f"{human_bytes(plan.output_bytes)} in {len(plan.layout.files)} shard(s)")
+    for rule, tp in serving_fit(plan.padded_width):
+        t.add_row(rule.name, _fit_text(plan.padded_width, rule, tp))
     console.print(t)
+    _print_serving_advice(console, src.d_ff, cfg.experts, cfg.shared, plan.padded_width)
+
+
+def _fit_text(width: int, rule, tp: int) -> str:
+    """One serving rule's verdict on a stored expert width, e.g. 'yes, TP ≤ 2 (width / TP a multiple of 128)'."""
+    if not tp:
+        return f"no: {width} is not a multiple of {rule.multiple}"
+    if not rule.per_gpu:
+        return f"yes ({width} = {width // rule.multiple} × {rule.multiple})"
+    return f"yes, TP ≤ {tp} (width / TP a multiple of {rule.multiple})"
+
+
+def _print_serving_advice(console: Console, d_ff: int, experts: int, shared: int, width: int) -> None:
+    advice = serving_advice(d_ff, experts, shared, width)
+    if advice:
+        console.print("[dim]to make the expert width fit the formats marked no:[/]", soft_wrap=True)
+        for line in advice:
+            console.print(f"[dim]  {line}[/]", soft_wrap=True, highlight=False)
+
+
+def calibration_summary(calib: dict) -> str:
+    """How many calibration tokens were used, out of how many the text has."""
+    asked = calib.get("requested_tokens")
+    how = f"--calib-tokens {asked:,}" if asked else f"default: all, up to {CALIB_TOKENS_CAP:,}"
+    return (f"calibrated on {calib['tokens']:,} of the text's {calib['text_tokens']:,} tokens "
+            f"({calib['windows']} windows of {calib['seq_len']}; {how})")
 
 
 def print_result(console: Console, report: dict, out: Path) -> None:
     console.print(f"[bold green]wrote[/] {out} in {report['seconds']:.1f}s "
-                  f"({report['format']}, {len(report['layers'])} layers)")
+                  f"({report['format']}, {len(report['layers'])} layers)", soft_wrap=True)
+    if report.get("calibration"):
+        console.print(calibration_summary(report["calibration"]), soft_wrap=True)
 
 
 # ------------------------------------------------------------------------------------------- plan / inspect
@@ -134,15 +199,29 @@ def print_moe_plan(console: Console, plan) -> None:
     notes.append(f"non-FFN parameters (embeddings, attention, norms): {human_count(plan.other_params)}; "
                  "FFN FLOPs = 2 × multiply-adds of active expert and router weights")
     console.print("[dim]" + "; ".join(notes) + "[/]")
+    widths = sorted({padded_width(r.expert_width) for r in plan.regimes})
+    rows = [[str(w)] + [_fit_short(rule, tp) for rule, tp in serving_fit(w)] for w in widths]
+    console.print(_table("quantized serving by stored expert width (zero-padded to ×8)",
+                         ["stored width"] + [rule.name for rule in SERVING_RULES], rows))
+    console.print("[dim]yes: the width is a multiple of the block size (llama.cpp 256; vLLM 128 per GPU, up to the "
+                  "TP shown); no: llama.cpp falls back to another quant type, vLLM refuses or uses a slower path[/]")
+    carve = next(r for r in plan.regimes if r.name == "inference saving")
+    _print_serving_advice(console, s.d_ff, plan.experts, plan.shared, padded_width(carve.expert_width))
 
 
-def _table(title: str, columns: list[str], rows: list[list[str]]) -> Table:
-    """A table whose cells never get cut: each column is at least as wide as its widest cell; headers may wrap."""
+def _fit_short(rule, tp: int) -> str:
+    return "no" if not tp else "yes" if not rule.per_gpu else f"TP ≤ {tp}"
+
+
+def _table(title: str, columns: list[str], rows: list[list[str]], left: tuple[int, ...] = (0,)) -> Table:
+    """A table whose cells never get cut: each column is at least as wide as its widest cell; headers
+    may wrap. Columns in `left` are left-justified, the others right-justified."""
     from rich import box
 
-    t = Table(title=title, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD, pad_edge=False)
+    t = Table(title=title or None, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD, pad_edge=False,
+              show_edge=False, padding=(0, 1, 0, 0))  # one space between columns: 8 columns fit 80 characters
     for c, name in enumerate(columns):
-        t.add_column(name, justify="left" if c == 0 else "right", min_width=max(len(r[c]) for r in rows))
+        t.add_column(name, justify="left" if c in left else "right", min_width=max(len(r[c]) for r in rows))
     for r in rows:
         t.add_row(*r)
     return t

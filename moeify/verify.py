@@ -57,6 +57,10 @@ class VerifyResult:
     def ok(self) -> bool:
         return not self.problems
 
+    def to_json(self) -> dict:
+        return {"path": str(self.path), "ok": self.ok, "problems": self.problems, "checked": self.checked,
+                "skipped": self.skipped, "max_logit_diff": self.max_logit_diff, "logit_scale": self.logit_scale}
+
 
 # ------------------------------------------------------------------------------------------------ the layout
 

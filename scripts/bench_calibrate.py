@@ -63,7 +63,7 @@ def phase_forward(a) -> dict:
     src = load_source(a.src)
     reader = CheckpointReader(src.path)
     device = resolve_device(a.device)
-    tokens = calibration_tokens(src.path, [a.calib], a.tokens, a.seq_len)
+    tokens, _ = calibration_tokens(src.path, [a.calib], a.tokens, a.seq_len)
     model = LayerwiseModel(src, reader, tokens, device=device)
     rss = []
     with torch.no_grad():

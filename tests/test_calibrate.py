@@ -145,6 +145,18 @@ def test_calibrated_all_experts_active_is_exact(tmp_path, calib_model):
     assert max_logit_diff(calib_model, tmp_path / "moe") <= 1e-4
 
 
+def test_calibrated_padded_all_experts_active_is_exact_at_default_tolerance(tmp_path, calib_model):
+    """Calibrated carving (refit down_proj, fitted router) with experts zero-padded to 128 and default flags:
+    k = N reproduces the dense logits (zero router) and verify accepts the padding."""
+    from moeify.verify import verify_checkpoint
+
+    cfg = build_config(experts=4, top_k=4, shared=0, pad_experts_to=128, **CALIB)
+    report = run_conversion(plan_conversion(calib_model, cfg), tmp_path / "moe")
+    assert report["padded_expert_width"] == 128 and all(lay["router_scale"] == 0.0 for lay in report["layers"])
+    assert max_logit_diff(calib_model, tmp_path / "moe") <= 1e-5
+    assert not verify_checkpoint(tmp_path / "moe", calib_model).problems
+
+
 def test_stats_reuse_gives_identical_output(tmp_path, calib_model):
     cfg = build_config(experts=4, top_k=2, method="activation", **CALIB)
     run_conversion(plan_conversion(calib_model, cfg), tmp_path / "a")
@@ -195,3 +207,82 @@ def test_calibrated_errors(tmp_path, calib_model):
     assert "shorter than one window of --calib-seq-len 64" in str(info.value) and "at most 0" not in str(info.value)
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()
     assert not list(tmp_path.glob("*.moeify-partial"))
+
+
+def _text_tokens(model_dir, text: str) -> int:
+    from transformers import AutoTokenizer
+
+    return len(AutoTokenizer.from_pretrained(model_dir)(text, add_special_tokens=False, verbose=False)["input_ids"])
+
+
+def test_default_calib_tokens_use_all_the_text_and_say_so(tmp_path, calib_model):
+    """No --calib-tokens: every whole window of a text shorter than the 65,536 cap is used (not an error), the
+    CLI and report.json say how many, and OUT/moeify.toml (calib_tokens = 0) is a preset that gives the same config."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from moeify.cli import app
+    from moeify.config import build_config, load_preset
+
+    text = tmp_path / "calib.txt"
+    text.write_text(CORPUS.read_text()[:6000])
+    n_text = _text_tokens(calib_model, text.read_text())
+    used = n_text // 64 * 64
+    assert 64 < n_text < 65536 and used < n_text
+    args = ["convert", str(calib_model), str(tmp_path / "moe"), "--experts", "4", "--top-k", "2", "--calib", str(text),
+            "--calib-seq-len", "64"]
+    dry = CliRunner().invoke(app, args + ["--dry-run"])
+    assert dry.exit_code == 0 and "all tokens, up to 65,536 of 1 file(s), windows of 64" in dry.output, dry.output
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert (f"calibrated on {used:,} of the text's {n_text:,} tokens ({used // 64} windows of 64; "
+            "default: all, up to 65,536)") in " ".join(result.output.split())
+    calib = json.loads((tmp_path / "moe" / "report.json").read_text())["calibration"]
+    assert calib["tokens"] == used and calib["text_tokens"] == n_text and calib["requested_tokens"] is None
+    preset = tmp_path / "moe" / "moeify.toml"
+    assert load_preset(preset)["calib_tokens"] == 0 and f"calib_tokens_used = {used}" in preset.read_text()
+    assert build_config(preset) == build_config(experts=4, top_k=2, calib=[str(text)], calib_seq_len=64)
+
+
+def test_default_calib_tokens_are_capped(tmp_path, calib_model, monkeypatch):
+    """The default takes at most CALIB_TOKENS_CAP tokens (65,536; lowered here); an explicit count is honoured."""
+    import moeify.calibrate as calibrate
+    import moeify.config
+
+    monkeypatch.setattr(moeify.config, "CALIB_TOKENS_CAP", 1000)
+    windows, n_text = calibrate.calibration_tokens(calib_model, [CORPUS], 0, 64)
+    assert windows.shape == (15, 64) and n_text > 1000
+    windows, _ = calibrate.calibration_tokens(calib_model, [CORPUS], 2048, 64)
+    assert windows.shape == (32, 64)
+
+
+def test_no_too_long_sequence_warning_when_tokenizing_long_text(tmp_path, calib_model):
+    """transformers warns when a text is longer than the tokenizer's model_max_length; calibration and eval cut
+    long texts into windows on purpose, so they silence that warning (and only that one)."""
+    import json
+    import logging
+
+    from transformers import AutoTokenizer
+
+    from moeify.calibrate import calibration_tokens
+    from moeify.evaluate import load_tokenizer, tokenize
+
+    cfg_file = calib_model / "tokenizer_config.json"
+    cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), "model_max_length": 128}))
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    hf = logging.getLogger("transformers")
+    hf.addHandler(handler)
+    try:
+        AutoTokenizer.from_pretrained(calib_model)(CORPUS.read_text()[:4000])
+        assert any(m.startswith("Token indices sequence length is longer") for m in seen), seen  # the test sees it
+        seen.clear()
+        windows, n_text = calibration_tokens(calib_model, [CORPUS], 0, 64)
+        ids = tokenize(load_tokenizer(calib_model), CORPUS.read_text()[:4000])
+        logging.getLogger("transformers.tokenization_utils_base").warning("another tokenizer warning")
+    finally:
+        hf.removeHandler(handler)
+    assert n_text > 128 and len(ids) > 128
+    assert seen == ["another tokenizer warning"]

@@ -175,3 +175,66 @@ def test_unaligned_expert_width_is_padded_exactly(tmp_path):
     assert torch.equal(d, CheckpointReader(src).get("model.layers.1.mlp.down_proj.weight"))
     assert torch.equal(g, CheckpointReader(src).get("model.layers.1.mlp.gate_proj.weight"))
     assert max_logit_diff(src, tmp_path / "moe") < 0.05  # bf16 weights upcast: k=16 scaling is exact
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_all_experts_active_with_default_flags_is_exact(tmp_path, target):
+    """top_k == experts: the router order does not matter, so moeify writes a zero router (every gate exactly 1/N)
+    and the default --gate-tolerance (1e-3, which bounds the gates of sparse conversions) costs no exactness."""
+    from moeify.verify import verify_checkpoint
+
+    src = build_dense(tmp_path / "dense")
+    flags = dict(experts=4, top_k=4, **TARGETS[target])
+    report = run_conversion(plan_conversion(src, build_config(**flags)), tmp_path / "moe")
+    assert build_config(**flags).gate_tolerance == 1e-3
+    moe = CheckpointReader(tmp_path / "moe")
+    routers = [n for n in moe.tensors if n.endswith(("block_sparse_moe.gate.weight", "mlp.gate.weight"))]
+    assert routers and all(moe.get(n).count_nonzero() == 0 for n in routers)
+    assert all(layer["router_scale"] == 0.0 for layer in report["layers"] if not layer["dense"])
+    assert max_logit_diff(src, tmp_path / "moe") <= 1e-5
+    result = verify_checkpoint(tmp_path / "moe", src)
+    assert not result.problems and result.max_logit_diff <= 1e-5
+
+
+def test_sparse_conversion_keeps_a_scaled_router(tmp_path):
+    """top_k < experts: the router is the carved router times the unit-gate scale (not zero)."""
+    src = build_dense(tmp_path / "dense")
+    report = run_conversion(plan_conversion(src, build_config(experts=4, top_k=2)), tmp_path / "moe")
+    assert all(0 < layer["router_scale"] < 1 for layer in report["layers"])
+    moe = CheckpointReader(tmp_path / "moe")
+    assert moe.get("model.layers.0.block_sparse_moe.gate.weight").count_nonzero() > 0
+
+
+@pytest.mark.parametrize("fmt,shared", [("mixtral", 0), ("qwen2_moe", 1)])
+def test_pad_experts_to_128_is_exact_and_verifies(tmp_path, fmt, shared):
+    """--pad-experts-to 128: 96 / 4 = 24 neurons per expert stored as 128 (zero gate/up rows, zero down columns);
+    loads with no missing/unexpected keys, reproduces the dense logits at k = N, and `moeify verify` accepts it."""
+    from moeify.verify import verify_checkpoint
+
+    src = build_dense(tmp_path / "dense")
+    flags = dict(experts=3 if shared else 4, top_k=3 if shared else 4, shared=shared, format=fmt, pad_experts_to=128)
+    report = run_conversion(plan_conversion(src, build_config(**flags)), tmp_path / "moe")
+    cfg = read_json(tmp_path / "moe" / "config.json")
+    assert cfg["intermediate_size" if fmt == "mixtral" else "moe_intermediate_size"] == 128
+    assert report["expert_width"] == 24 and report["padded_expert_width"] == 128
+    moe = CheckpointReader(tmp_path / "moe")
+    name = ("model.layers.0.block_sparse_moe.experts.1.w{}.weight" if fmt == "mixtral"
+            else "model.layers.0.mlp.experts.1.{}_proj.weight")
+    gate, down = (moe.get(name.format(n)) for n in (("1", "2") if fmt == "mixtral" else ("gate", "down")))
+    assert gate.shape == (128, 64) and down.shape == (64, 128)
+    assert gate[24:].count_nonzero() == 0 and down[:, 24:].count_nonzero() == 0 and gate[:24].count_nonzero() > 0
+    if shared:  # the shared expert is not padded
+        assert moe.get("model.layers.0.mlp.shared_expert.up_proj.weight").shape == (24, 64)
+    assert max_logit_diff(src, tmp_path / "moe") <= 1e-5  # also: no missing/unexpected keys
+    result = verify_checkpoint(tmp_path / "moe", src)
+    assert not result.problems, result.problems
+    toml = (tmp_path / "moe" / "moeify.toml").read_text()
+    assert "pad_experts_to = 128" in toml and build_config(tmp_path / "moe" / "moeify.toml").pad_experts_to == 128
+
+
+def test_pad_experts_to_must_be_a_multiple_of_8():
+    from moeify.errors import MoeifyError
+
+    for bad in (0, 100, -8):
+        with pytest.raises(MoeifyError, match=f"--pad-experts-to must be a positive multiple of 8, got {bad}"):
+            build_config(pad_experts_to=bad)

@@ -314,3 +314,70 @@ def test_bundled_model_perplexity_on_bundled_sample():
     r = evaluate([BUNDLED], None, EvalSettings(seq_len=256, max_tokens=2048, device="cpu"))
     assert r.models[0].scored_tokens == 2040
     assert r.models[0].perplexity == pytest.approx(185.7586, rel=1e-3)
+
+
+# ------------------------------------------------------------------------------------ 80-column output
+
+
+def render(result, width: int = 80) -> list[str]:
+    import io
+
+    from rich.console import Console
+
+    from moeify.report import print_eval
+
+    buf = io.StringIO()
+    print_eval(Console(file=buf, width=width, color_system=None), result)
+    return buf.getvalue().splitlines()
+
+
+def test_eval_table_rows_fit_80_columns(models, text_file):
+    """A plain terminal or CI log (80 columns): every table row on one line, short labels, full paths in a legend."""
+    result = evaluate(list(models.values()), text_file, EvalSettings(seq_len=SEQ, max_tokens=200, device="cpu"))
+    lines = render(result)
+    legend = [ln for ln in lines if ln.startswith("  ") and " (" in ln]
+    assert [ln.split()[:2] for ln in legend] == [["A", str(models["dense"])], ["B", str(models["mixtral"])],
+                                                ["C", str(models["qwen2_moe"])]]
+    assert "(llama, reference)" in legend[0]
+    assert all(len(ln) <= 80 for ln in lines if ln not in legend), "\n".join(ln for ln in lines if len(ln) > 80)
+    dense, mixtral, qwen = result.models
+    rows = {ln.split()[0]: ln.split() for ln in lines if ln[:2] in ("A ", "B ", "C ")}
+    assert rows["A"][1:3] == [f"{dense.perplexity:.3f}", "ref"]
+    assert rows["B"][1:3] == [f"{mixtral.perplexity:.3f}", f"{mixtral.ratio:.4f}"] and "E4 k2 ×3" in " ".join(rows["B"])
+    assert rows["C"][1:3] == [f"{qwen.perplexity:.3f}", f"{qwen.ratio:.4f}"] and "E4 k2 ×2" in " ".join(rows["C"])
+    titles = [ln.strip() for ln in lines if ln.startswith("routing of")]
+    assert titles == ["routing of B: 4 experts, top-2", "routing of C: 4 experts, top-2"]
+    for r in mixtral.routing:  # one per-layer row each, on one line
+        assert sum(ln.startswith(f"{r.layer} ") and f"{r.load_cv:.2f}" in ln for ln in lines) >= 1
+
+
+def test_routing_table_with_many_experts_fits_80_columns():
+    """64 experts do not fit one bar character each next to the numbers: experts are grouped per character."""
+    from moeify.evaluate import EvalResult, LayerRouting, ModelResult
+
+    load = [2 / 64 * (1 + 0.5 * (e % 2)) for e in range(64)]
+    routing = [LayerRouting(i, 64, 2, 1000, load, [1 / 64] * 64, 2.0, 0.33, 0, 0.5) for i in range(3)]
+    path = "out/a/rather/long/path/to/a/converted/model-with-64-experts-and-a-long-name"
+    result = EvalResult({"source": "text.txt", "tokens": 1000, "windows": 4}, {"seq_len": 256, "stride": 256,
+                        "device": "cpu", "dtype": "float32"},
+                        [ModelResult("dense", "llama", "float32", "cpu", 12.3456, 2.5, 1.0, 999, 10**9, 10**9, 2.5e6, 1),
+                         ModelResult(path, "mixtral", "float32", "cpu", 13.5, 2.6, 1.0935, 999, 10**9, 4 * 10**8, 1234.5,
+                                     1, 64, 2, routing)])
+    lines = render(result)
+    assert all(len(ln) <= 80 for ln in lines if not ln.startswith("  ")), "\n".join(lines)
+    head = next(ln for ln in lines if ln.startswith("layer"))
+    assert "experts/char" in head
+    assert any(ln.split()[:3] == ["B", "13.500", "1.0935"] for ln in lines)
+    assert any(ln.split()[:3] == ["A", "12.346", "ref"] and "2.50M" in ln for ln in lines)  # tok/s ≥ 100k: 2.50M
+
+
+def test_json_dash_prints_only_json_on_stdout(models, text_file, tmp_path):
+    """--json -: stdout is the JSON alone (pipe it to jq), the table goes to stderr; --json PATH writes a file."""
+    code, _ = run_cli("eval", models["dense"], "--data", text_file, "--seq-len", SEQ, "--max-tokens", 100,
+                      "--json", tmp_path / "e.json")
+    assert code == 0 and json.loads((tmp_path / "e.json").read_text())["data"]["tokens"] == 100
+    result = CliRunner().invoke(app, [str(a) for a in ("eval", models["dense"], "--data", text_file, "--seq-len", SEQ,
+                                                       "--max-tokens", 100, "--json", "-")])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["data"]["tokens"] == 100
+    assert "PPL" in result.stderr and "PPL" not in result.stdout

@@ -281,6 +281,10 @@ def test_default_output_dir_is_inside_the_checkpoint(models, tmp_path):
     assert res.exit_code == 0, res.output
     saved = json.loads((ckpt / "inspect" / "inspect.json").read_text())
     assert [e["layer"] for e in saved["layers"]] == [0, 2] and saved["plots"] == []
+    res = CliRunner().invoke(app, ["inspect", str(ckpt), "--no-plots", "--layers", "0", "--json", "-"])
+    assert res.exit_code == 0, res.output
+    printed = json.loads(res.stdout)  # --json -: the JSON alone on stdout, the tables on stderr
+    assert [e["layer"] for e in printed["layers"]] == [0] and "R²_avg" in res.stderr
 
 
 @pytest.mark.parametrize("args,message", [

@@ -147,13 +147,87 @@ def test_cli_table_and_json(llama3_config):
     for text in ("max capacity", "constant compute", "inference saving", "custom", "47.49B", "13.67B", "5.914",
                  "0.250", "8.03B"):
         assert text in res.output, text
-    res = runner.invoke(app, ["plan", str(llama3_config), "-n", "8", "-k", "2", "--json"])
+    res = runner.invoke(app, ["plan", str(llama3_config), "-n", "8", "-k", "2", "--json", "-"])
     assert res.exit_code == 0, res.output
-    data = json.loads(res.output)
+    data = json.loads(res.stdout)  # stdout is the JSON alone; the tables went to stderr
     assert data["dense_params"] == DENSE and data["regimes"][2]["total_params"] == EXPECTED[2][2]
+    assert "inference saving" in res.stderr
 
 
 def test_cli_bad_flag_exits_2(llama3_config):
     res = CliRunner().invoke(app, ["plan", str(llama3_config), "--experts", "3", "--top-k", "2"])
     assert res.exit_code == 2
     assert "does not divide intermediate_size" in res.output
+
+
+# ------------------------------------------------------------------------- serving fit and 80 columns
+
+
+def rendered(print_fn, *args) -> list[str]:
+    import io
+
+    from rich.console import Console
+
+    buf = io.StringIO()
+    print_fn(Console(file=buf, width=80, color_system=None), *args)
+    return buf.getvalue().splitlines()
+
+
+def test_serving_fit_of_expert_widths():
+    from moeify.plan import friendly_expert_counts, serving_fit
+
+    fit = {w: [tp for _, tp in serving_fit(w)] for w in (224, 192, 256, 1792, 3584, 128)}
+    # llama.cpp K-quants (x256, no TP), vLLM FP8 block and int4 Marlin (x128 per GPU: largest TP of 1, 2, 4, 8)
+    assert fit == {224: [0, 0, 0], 192: [0, 0, 0], 256: [1, 2, 2], 1792: [1, 2, 2], 3584: [1, 4, 4], 128: [0, 1, 1]}
+    assert friendly_expert_counts(1536, 0, 128) == [2, 3, 4, 6, 12]  # SmolLM2: 1536 / 8 = 192 fits nothing
+    assert friendly_expert_counts(14336, 0, 256) == [2, 4, 7, 8, 14, 28, 56]
+    assert friendly_expert_counts(1536, 1, 128) == [2, 3, 5, 11]  # with a shared expert: d_ff / (N + 1)
+
+
+def test_plan_names_serving_formats_and_fits_80_columns(llama3_config, tmp_path):
+    """64 experts of Llama-3-8B are 224 wide: no K-quants, no FP8 block, no Marlin; padding or other counts fix it."""
+    from moeify.report import print_moe_plan
+
+    lines = rendered(print_moe_plan, plan_from_path(llama3_config, experts=64, top_k=8))
+    advice = [ln for ln in lines if ln.startswith("  ×")]
+    assert all(len(ln) <= 80 for ln in lines if ln not in advice), "\n".join(lines)
+    rows = {ln.split()[0]: ln.split()[1:] for ln in lines if ln.split() and ln.split()[0].isdigit()}
+    assert rows["224"] == ["no", "no", "no"] and rows["1792"] == ["yes", "TP", "≤", "2", "TP", "≤", "2"]
+    assert rows["14336"] == ["yes", "TP", "≤", "8", "TP", "≤", "8"]
+    assert any(ln.startswith("inference saving") and ln.split()[2] == "224" for ln in lines)
+    assert advice == ["  ×128: --pad-experts-to 128 (+14% weights, zeros) or --experts 16, 28, 56, 112",
+                      "  ×256: --pad-experts-to 256 (+14% weights, zeros) or --experts 8, 14, 28, 56"]
+    res = CliRunner().invoke(app, ["plan", str(llama3_config), "-n", "64", "-k", "8", "--json", str(tmp_path / "p.json")])
+    assert res.exit_code == 0 and f"wrote {tmp_path / 'p.json'}" in " ".join(res.stderr.split())
+    regimes = json.loads((tmp_path / "p.json").read_text())["regimes"]
+    assert regimes[2]["expert_width"] == 224
+    assert regimes[2]["serving"] == {"llama.cpp K-quants": 0, "vLLM FP8 block": 0, "vLLM int4 Marlin": 0}
+
+
+def test_dry_run_serving_fit_padding_and_json(tmp_path):
+    """A SmolLM2-like d_ff of 1536 in 8 experts (192 wide) suits no quantized format; --pad-experts-to 256 stores
+    256-wide experts that suit all three. The dry-run plan fits 80 columns; --json - prints the plan alone."""
+    from moeify.report import print_plan
+
+    src = build_dense(tmp_path / "dense", intermediate_size=1536)
+    plan = plan_conversion(src, build_config(experts=8, top_k=2))
+    lines = [" ".join(ln.split()) for ln in rendered(print_plan, plan, tmp_path / "out")]
+    assert all(len(ln) <= 80 for ln in rendered(print_plan, plan, tmp_path / "out")[1:-2])  # not the paths / advice
+    assert "expert width 192 neurons (d_ff / 8)" in lines
+    assert "llama.cpp K-quants no: 192 is not a multiple of 256" in lines
+    assert "vLLM FP8 block no: 192 is not a multiple of 128" in lines
+    assert "×256: --pad-experts-to 256 (+33% weights, zeros) or --experts 2, 3, 6" in lines
+    padded = plan_conversion(src, build_config(experts=8, top_k=2, pad_experts_to=256))
+    lines = [" ".join(ln.split()) for ln in rendered(print_plan, padded, tmp_path / "out")]
+    assert "expert width 192 neurons (d_ff / 8), zero-padded to 256" in lines
+    assert "llama.cpp K-quants yes (256 = 1 × 256)" in lines
+    assert "vLLM int4 Marlin yes, TP ≤ 2 (width / TP a multiple of 128)" in lines and not any("×256:" in ln for ln in lines)
+    assert padded.budget.total_params - plan.budget.total_params == 3 * 8 * 3 * 64 * 64  # layers × experts × 3 × h × 64
+    res = CliRunner().invoke(app, ["convert", str(src), str(tmp_path / "out"), "-n", "8", "-k", "2", "--pad-experts-to",
+                                   "256", "--dry-run", "--json", "-"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["expert_width"] == 192 and data["padded_expert_width"] == 256 and data["settings"]["pad_experts_to"] == 256
+    assert data["serving"] == {"llama.cpp K-quants": 1, "vLLM FP8 block": 2, "vLLM int4 Marlin": 2}
+    assert data["output_bytes"] == padded.output_bytes and "nothing written" in res.stderr
+    assert not (tmp_path / "out").exists()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -248,7 +249,11 @@ CASES = {
     "dense-layers-all": (None, ["--dense-layers", "0,1,2"], ["every layer"]),
     "shard-size-garbage": (None, ["--max-shard-size", "big"], ["--max-shard-size 'big'"]),
     "method-unknown": (None, ["--method", "magic"], ["--method 'magic'", "gate-cluster"]),
-    "preset-missing": (None, ["--preset", "{tmp}/nope.toml"], ["nope.toml not found"]),
+    "preset-missing": (None, ["--preset", "{tmp}/nope.toml"], ["nope.toml not found", "configs/active-50.toml"]),
+    "pad-experts-not-multiple-of-8": (None, ["--pad-experts-to", "100"],
+                                      ["--pad-experts-to must be a positive multiple of 8, got 100", "128 or 256"]),
+    "json-unwritable": (None, ["--dry-run", "--json", "{tmp}/src/config.json/plan.json"],
+                        ["--json", "plan.json cannot be written", "'-' for stdout"]),
     "preset-unknown-key": (_preset("experts = 4\nbogus = 1\n"), ["--preset", "{tmp}/preset.toml"],
                            ["preset.toml has unknown key(s): bogus"]),
     "preset-invalid-toml": (_preset("experts = \n"), ["--preset", "{tmp}/preset.toml"], ["not valid TOML"]),
@@ -266,6 +271,10 @@ CASES = {
                                                               "--calib-seq-len", "64"],
                              ["fewer than --calib-tokens 4096", "shorter than one window",
                               "lower --calib-seq-len (to at most 10)"]),
+    "calib-default-shorter-than-a-window": (_calib_file(b"A short text."), ["--calib", "{tmp}/calib.txt",
+                                                                            "--calib-seq-len", "64"],
+                                            ["fewer than one window of --calib-seq-len 64",
+                                             "lower --calib-seq-len (to at most 10)"]),
 }
 
 
@@ -293,6 +302,22 @@ def test_non_integer_flag_is_a_usage_error(tmp_path, source):
     text = " ".join(result.stderr.split())  # typer draws its usage errors in a box
     assert "'--experts'" in text and "valid integer" in text and "Traceback" not in text
     assert not (tmp_path / "out").exists()
+
+
+def _help_text(*command: str) -> str:
+    result = CliRunner().invoke(app, [*command, "--help"], env={"COLUMNS": "240"})  # no word cut at 80 columns
+    assert result.exit_code == 0, result.output
+    return " ".join(re.sub(r"[│╭╮╰╯─]", " ", result.output).split())  # typer draws help in boxes
+
+
+def test_help_cites_an_existing_preset_name_and_one_json_convention():
+    """--help names the recommended preset configs/active-50.toml (configs/e8k2.toml never existed), and every
+    command's --json takes PATH (a file) or '-' (stdout)."""
+    text = _help_text("convert")
+    assert "configs/active-50.toml" in text and "e8k2" not in text
+    for command in ("convert", "eval", "plan", "verify", "inspect"):
+        text = _help_text(command)
+        assert "--json PATH|-" in text and "to stdout with '-'" in text, command
 
 
 # -------------------------------------------------------------------------------------------- OUT problems

@@ -65,6 +65,20 @@ def test_good_output_passes_with_and_without_source(good, dense):
     assert "bit for bit" in result.stdout and "logits" in result.stdout
 
 
+def test_json_file_and_stdout(good, moe, tmp_path):
+    """--json PATH writes the result, --json - prints it alone on stdout (checks go to stderr); exit codes unchanged."""
+    result = cli("verify", good, "--headers-only", "--json", tmp_path / "v.json")
+    assert result.exit_code == 0 and "OK" in result.stdout
+    data = json.loads((tmp_path / "v.json").read_text())
+    assert data["ok"] is True and data["problems"] == [] and data["checked"] and data["path"] == str(good)
+    (moe / "report.json").unlink()
+    (moe / "config.json").write_text((moe / "config.json").read_text().replace('"num_local_experts": 4', '"num_local_experts": 5'))
+    result = cli("verify", moe, "--headers-only", "--json", "-")
+    assert result.exit_code == 2
+    data = json.loads(result.stdout)
+    assert data["ok"] is False and data["problems"] and all(p in result.stderr for p in data["problems"])
+
+
 @pytest.mark.parametrize("flags", [
     dict(experts=3, top_k=3),  # top-k not a power of two: down_proj × 3 is rounded once in bf16
     dict(experts=6, top_k=3, shared=2, dense_layers="1"),  # qwen2_moe: shared expert, a dense layer, padded experts
