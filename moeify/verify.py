@@ -20,8 +20,9 @@ Against the source (`--against SRC`):
   random input: max |logit difference| ≤ LOGIT_RTOL × max |dense logit|. The reference's routed down_proj columns get
   the one rounding the converter cannot avoid (× top_k stored in the output dtype, exact for a power-of-two top_k;
   the bitwise check covers it), so this compares routing and structure, and is ~1e-6 when all is well.
-Layers whose down_proj was refit (`--compensate`) are not the dense FFN by design: their down_proj and the logits
-comparison are skipped and say so.
+Layers whose down_proj was refit (`--compensate`) or whose expert weights were tuned (`--tune-epochs`, report.json
+`tuned`) are not the dense FFN by design: those tensors and the logits comparison are skipped and say so; the
+structure, the untouched tensors and the permutation are still checked.
 
 Written from the config, not from the converter's own tables, so a bug in one is not hidden by the other.
 """
@@ -383,13 +384,19 @@ def _check_moe_layer(layout: MoeLayout, reader: CheckpointReader, i: int, entry:
         if reader.get(g)[w:].count_nonzero() or reader.get(u)[w:].count_nonzero() or reader.get(d)[:, w:].count_nonzero():
             problems.append(f"layer {i} expert {e}: the padding neurons beyond the first {w} are not zero")
     inv = torch.argsort(perm)
+    tuned = set(entry.get("tuned", ()))
+    if tuned:
+        skipped.append(f"layer {i}: {', '.join(f'{t}_proj' for t in sorted(tuned))} tuned (--tune-epochs), "
+                       "not compared with the source")
     for kind, col in (("gate", 0), ("up", 1)):
+        if kind in tuned:
+            continue
         rebuilt = torch.cat([reader.get(g[col])[:len(g[3])] for g in groups])[inv]  # un-permute, source order
         if not _same(rebuilt, src_g.to(dtype) if kind == "gate" else src_u.to(dtype)):
             problems.append(f"layer {i}: the experts' {kind} rows un-permuted differ from the source {kind}_proj")
-    if entry.get("compensated"):
+    if entry.get("compensated") and "down" not in tuned:
         skipped.append(f"layer {i}: down_proj was refit (--compensate), not compared with the source")
-    else:
+    elif "down" not in tuned:
         for _, _, d, idx, factor in groups:
             expected = (src_d[:, idx].float() * factor).to(dtype)
             if not _same(reader.get(d)[:, :len(idx)], expected):
@@ -487,9 +494,9 @@ def verify_checkpoint(out: str | Path, against: str | Path | None = None, *, val
     if not logits:
         return result
     report = read_report(out) or {}
-    if any(entry.get("compensated") for entry in report.get("layers", [])):
-        result.skipped.append("logits: down_proj was refit (--compensate), so the MoE model is not the dense one by "
-                              "design; not compared")
+    if any(entry.get("compensated") or entry.get("tuned") for entry in report.get("layers", [])):
+        result.skipped.append("logits: FFN weights were refit (--compensate) or tuned (--tune-epochs), so the MoE model "
+                              "is not the dense one by design; not compared")
         return result
     diff, scale = compare_logits(out, against, layout, report, seq_len=seq_len)
     result.max_logit_diff, result.logit_scale = diff, scale

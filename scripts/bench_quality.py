@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -29,13 +30,25 @@ from moeify.config import build_config  # noqa: E402
 from moeify.convert import plan_conversion, run_conversion  # noqa: E402
 
 CORPORA = ROOT.parent / "shared" / "corpora" / "wikitext2"
-CONFIGS = {  # name: (experts, top_k, shared) -> share of FFN neurons active = (top_k + shared) / (experts + shared)
-    "e8k2": (8, 2, 0),  # 25%
-    "e8k4": (8, 4, 0),  # 50%
-    "s1e7k1": (7, 1, 1),  # 25%
-    "s2e16k2": (16, 2, 2),  # 22%
-}
-ROWS = [  # method/router[+refit]; "oracle" router = top-k by true expert output norm
+CONFIGS = ("e8k2", "e8k4", "s1e7k1", "s2e16k2")  # the tiny model's table; any [sS]eEkK (or a preset path) works
+
+
+def parse_config(name: str) -> dict:
+    """'s2e16k2' -> 2 shared + 16 routed, top-2: share of FFN neurons active = (k + s) / (e + s).
+    A path to a TOML preset (configs/active-50.toml) runs that preset's whole pipeline."""
+    if name.endswith(".toml"):
+        from moeify.config import load_preset
+
+        return {"preset": name, **{k: v for k, v in load_preset(name).items() if k in ("experts", "top_k", "shared")}}
+    m = re.fullmatch(r"(?:s(\d+))?e(\d+)k(\d+)", name)
+    if not m:
+        raise SystemExit(f"config {name!r}: write [sS]eEkK, e.g. e64k16 or s1e63k15, or a preset .toml")
+    return {"experts": int(m.group(2)), "top_k": int(m.group(3)), "shared": int(m.group(1) or 0)}
+
+
+def active_fraction(c: dict) -> float:
+    return (c["top_k"] + c.get("shared", 0)) / (c["experts"] + c.get("shared", 0))
+ROWS = [  # method/router[+refit][+corrected|+moefeed][+tuneN]; "oracle" router = top-k by true expert output norm
     "contiguous/mean-gate", "gate-cluster/representative", "gate-cluster/mean-gate", "activation/representative",
     "activation/fitted", "coactivation/fitted", "gate-cluster/fitted",
     "gate-cluster/fitted+refit", "activation/fitted+refit", "coactivation/fitted+refit",
@@ -86,66 +99,94 @@ def install_oracle_router(model) -> None:
         router.forward = forward
 
 
-def run_row(model_dir: Path, row: str, config: str, calib: Path, calib_tokens: int, ids, seq_len, work: Path,
+def row_settings(row: str) -> dict:
+    """'activation/fitted+refit+corrected+tune2' -> ConvertConfig fields. 'preset' = the config's preset as is."""
+    if row == "preset":
+        return {}
+    method, rest = row.split("/")
+    router, *extras = rest.split("+")
+    unknown = [e for e in extras if e not in ("refit", "corrected", "moefeed") and not re.fullmatch(r"tune\d+", e)]
+    if unknown:
+        raise SystemExit(f"row {row!r}: unknown suffix {unknown[0]!r} (refit, corrected, moefeed, tuneN)")
+    tune = next((int(e[4:]) for e in extras if e.startswith("tune")), 0)
+    feed = "corrected" if "corrected" in extras else "moe" if "moefeed" in extras else None
+    return {"method": method, "router": "mean-gate" if router == "oracle" else router, "compensate": "refit" in extras,
+            "calib_feed": feed, "tune_epochs": tune, "oracle": router == "oracle"}
+
+
+def run_row(model_dir: Path, row: str, config: str, calib: Path, calib_tokens: int, evals: dict, seq_len, work: Path,
             feed: str) -> dict:
     from transformers import AutoModelForCausalLM
 
-    method, rest = row.split("/")
-    router, refit = rest.removesuffix("+refit"), rest.endswith("+refit")
-    experts, top_k, shared = CONFIGS[config]
-    needs_calib = method in ("activation", "coactivation") or router == "fitted" or refit
-    cfg = build_config(experts=experts, top_k=top_k, shared=shared, method=method,
-                       router="mean-gate" if router == "oracle" else router, compensate=refit,
-                       calib=[str(calib)] if needs_calib else None, calib_tokens=calib_tokens, calib_feed=feed)
-    out = work / f"{config}-{method}-{rest}"
+    settings, shape = row_settings(row), parse_config(config)
+    oracle = settings.pop("oracle", False)
+    preset = shape.pop("preset", None)
+    if settings.get("calib_feed") is None:
+        settings["calib_feed"] = None if preset else feed
+    needs_calib = bool(preset) or (settings["method"] in ("activation", "coactivation") or settings["router"] == "fitted"
+                                   or settings["compensate"] or settings["tune_epochs"])
+    cfg = build_config(preset, **shape, **settings, calib=[str(calib)] if needs_calib else None,
+                       calib_tokens=calib_tokens if needs_calib else None)
+    out = work / re.sub(r"[^A-Za-z0-9.+-]", "_", f"{config}-{row}")
     t0 = time.time()
     report = run_conversion(plan_conversion(model_dir, cfg), out, overwrite=True)
     seconds = time.time() - t0
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    if router == "oracle":
+    if oracle:
         install_oracle_router(model)
-    ppl = perplexity(model, ids, seq_len)
+    ppl = {name: perplexity(model, ids, seq_len) for name, ids in evals.items()}
     layers = [lay for lay in report["layers"] if not lay.get("dense")]
-    agreement = [lay.get(f"agreement_{router}") for lay in layers if lay.get(f"agreement_{router}") is not None]
+    agreement = [lay.get(f"agreement_{cfg.router}") for lay in layers if lay.get(f"agreement_{cfg.router}") is not None]
+    errors = [lay["rel_error"] for lay in layers if "rel_error" in lay]
     shutil.rmtree(out)
-    return {"config": config, "row": row, "ppl": ppl, "seconds": round(seconds, 2),
-            "agreement": sum(agreement) / len(agreement) if agreement else None}
+    return {"config": config, "row": row, "active": active_fraction(shape | {"experts": cfg.experts, "top_k": cfg.top_k,
+                                                                             "shared": cfg.shared}),
+            "ppl": ppl, "seconds": round(seconds, 2), "calib_tokens": report["calibration"].get("tokens"),
+            "agreement": sum(agreement) / len(agreement) if agreement and not oracle else None,
+            "layer_rel_error": errors}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=ROOT / "examples" / "tiny-llama")
     ap.add_argument("--calib", type=Path, default=CORPORA / "calib_train_200k.txt")
-    ap.add_argument("--eval", type=Path, default=CORPORA / "valid.txt")
+    ap.add_argument("--eval", type=Path, nargs="+", default=[CORPORA / "valid.txt"],
+                    help="held-out texts (each scored separately, same first --eval-tokens tokens for every model)")
     ap.add_argument("--eval-tokens", type=int, default=65536)
-    ap.add_argument("--calib-tokens", type=int, default=32768)
+    ap.add_argument("--calib-tokens", type=int, default=32768, help="0: all of the calibration text (up to 65,536)")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--feed", default="dense", choices=("dense", "moe"))
     ap.add_argument("--json", type=Path, default=ROOT / "scripts" / "bench_quality_results.json")
+    ap.add_argument("--append", action="store_true", help="keep the rows already in --json (same model and texts)")
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
     from transformers import AutoModelForCausalLM
 
-    ids = tokens_of(args.model, args.eval, args.eval_tokens)
+    evals = {path.parent.name: tokens_of(args.model, path, args.eval_tokens) for path in args.eval}
     dense = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-    dense_ppl = perplexity(dense, ids, args.seq_len)
-    print(f"dense ppl {dense_ppl:.3f} on {ids.numel()} held-out tokens", flush=True)
-    results = {"model": str(args.model), "eval_tokens": int(ids.numel()), "seq_len": args.seq_len,
-               "calib_tokens": args.calib_tokens, "feed": args.feed, "dense_ppl": dense_ppl, "rows": []}
+    dense_ppl = {name: perplexity(dense, ids, args.seq_len) for name, ids in evals.items()}
+    del dense
+    print("dense ppl " + ", ".join(f"{n} {p:.3f} ({evals[n].numel()} tokens)" for n, p in dense_ppl.items()), flush=True)
+    results = {"model": str(args.model), "eval": {n: str(p) for n, p in zip(evals, args.eval)},
+               "eval_tokens": {n: int(ids.numel()) for n, ids in evals.items()}, "seq_len": args.seq_len,
+               "calib": str(args.calib), "calib_tokens": args.calib_tokens, "feed": args.feed, "dense_ppl": dense_ppl,
+               "rows": []}
+    if args.json.is_file() and args.append:
+        results["rows"] = json.loads(args.json.read_text())["rows"]
     with tempfile.TemporaryDirectory() as work:
         for config in args.configs.split(","):
             for row in args.rows.split(","):
-                r = run_row(args.model, row, config, args.calib, args.calib_tokens, ids, args.seq_len, Path(work),
+                r = run_row(args.model, row, config, args.calib, args.calib_tokens, evals, args.seq_len, Path(work),
                             args.feed)
-                r["ratio"] = r["ppl"] / dense_ppl
+                r["ratio"] = {n: r["ppl"][n] / dense_ppl[n] for n in evals}
                 results["rows"].append(r)
-                agree = f"  oracle-agreement {r['agreement']:.3f}" if r["agreement"] is not None else ""
-                print(f"{config:8s} {row:30s} ppl {r['ppl']:9.3f}  ratio {r['ratio']:.3f}{agree}  ({r['seconds']}s)",
-                      flush=True)
-    args.json.write_text(json.dumps(results, indent=1) + "\n")
+                agree = f"  agreement {r['agreement']:.3f}" if r["agreement"] is not None else ""
+                ratios = "  ".join(f"{n} {v:.3f}" for n, v in r["ratio"].items())
+                print(f"{config:9s} {r['active']:.3f} {row:34s} ratio {ratios}{agree}  ({r['seconds']}s)", flush=True)
+                args.json.write_text(json.dumps(results, indent=1) + "\n")  # after every row: a long run keeps its rows
 
 
 if __name__ == "__main__":

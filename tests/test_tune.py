@@ -1,0 +1,97 @@
+"""The tuning stage (layer-local distillation of carved experts) and the corrected calibration feed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import build_dense, max_logit_diff
+from moeify.compensate import routing_mask
+from moeify.config import build_config
+from moeify.convert import plan_conversion, run_conversion
+from moeify.errors import MoeifyError
+from moeify.partition import Partition
+from moeify.tune import TuneSettings, masked_ffn, tune_layer
+from moeify.verify import verify_checkpoint
+from test_calibrate import CALIB
+
+
+def _problem(n=1200, d=16, d_ff=48, seed=0):
+    """A random SwiGLU FFN, its inputs, its dense output (the target) and a top-2-of-4 routing mask."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=gen)
+    gate, up = torch.randn(d_ff, d, generator=gen) / d ** 0.5, torch.randn(d_ff, d, generator=gen) / d ** 0.5
+    down = torch.randn(d, d_ff, generator=gen) / d_ff ** 0.5
+    target = masked_ffn(x, gate, up, down, torch.ones(n, d_ff))
+    part = Partition(torch.randperm(d_ff, generator=gen), 0, 4, d_ff // 4)
+    mask = routing_mask(x @ torch.randn(4, d, generator=gen).T, part, k=2)
+    return x, target, mask, gate, up, down
+
+
+def test_tuning_lowers_the_held_out_error_and_is_deterministic():
+    x, target, mask, gate, up, down = _problem()
+    settings = TuneSettings(epochs=6, lr=0.02, batch_tokens=128, seed=3)
+    new, info = tune_layer(x, target, mask, gate, up, down, settings)
+    assert set(new) == {"gate", "up", "down"}
+    assert info["holdout_rel_error_before"] > 0.3  # half the neurons dropped
+    assert info["holdout_rel_error_after"] < 0.9 * info["holdout_rel_error_before"]
+    assert info["epoch_kept"] >= 1 and info["steps"] == 6 * ((1200 - 120) // 128)
+    # the reported error is the kept weights' error on the held-back tokens
+    hold = slice(1080, 1200)
+    err = (masked_ffn(x[hold], new["gate"], new["up"], new["down"], mask[hold].float()) - target[hold]).square().sum()
+    assert err.item() / target[hold].square().sum().item() == pytest.approx(info["holdout_rel_error_after"], rel=1e-4)
+    again, _ = tune_layer(x, target, mask, gate, up, down, settings)
+    assert all(torch.equal(new[k], again[k]) for k in new)  # same seed, same weights
+
+
+def test_tuning_never_returns_worse_weights_and_trains_only_what_it_is_asked():
+    x, target, mask, gate, up, down = _problem(seed=1)
+    # a step size far too large: every epoch is worse on held-back tokens, so the carved weights come back
+    new, info = tune_layer(x, target, mask, gate, up, down, TuneSettings(epochs=2, lr=0.9, batch_tokens=64),
+                           tensors=("down",))
+    assert set(new) == {"down"}
+    assert info["holdout_rel_error_after"] <= info["holdout_rel_error_before"]
+    if info["epoch_kept"] == 0:
+        assert torch.equal(new["down"], down)
+
+
+def test_tune_flags_are_checked():
+    with pytest.raises(MoeifyError, match="--tune-epochs needs calibration data"):
+        build_config(tune_epochs=2)
+    with pytest.raises(MoeifyError, match="--tune-lr must be in"):
+        build_config(tune_epochs=1, tune_lr=2.0, **CALIB)
+    with pytest.raises(MoeifyError, match="--tune-epochs must be ≥ 0"):
+        build_config(tune_epochs=-1, **CALIB)
+    with pytest.raises(MoeifyError, match="--calib-feed 'sideways' is not one of"):
+        build_config(calib_feed="sideways", **CALIB)
+
+
+@pytest.fixture()
+def calib_model(tmp_path, tokenizer_dir):
+    return build_dense(tmp_path / "dense", tokenizer_dir, num_hidden_layers=3)
+
+
+def test_tuned_conversion_reports_and_verifies(tmp_path, calib_model):
+    cfg = build_config(experts=4, top_k=2, calib_feed="corrected", tune_epochs=2, **CALIB)
+    report = run_conversion(plan_conversion(calib_model, cfg), tmp_path / "moe")
+    for lay in report["layers"]:
+        assert lay["tuned"] == ["gate", "up", "down"] and lay["compensated"]
+        assert lay["tune_rel_error_after"] <= lay["tune_rel_error_before"]
+    assert report["calibration"]["feed"] == "corrected"
+    assert json.loads((tmp_path / "moe" / "report.json").read_text())["settings"]["tune_epochs"] == 2
+    assert "tune_epochs = 2" in (tmp_path / "moe" / "moeify.toml").read_text()
+    result = verify_checkpoint(tmp_path / "moe", against=calib_model)
+    assert result.problems == []
+    assert any("tuned (--tune-epochs), not compared" in s for s in result.skipped)
+    assert any(s.startswith("logits:") and "tuned" in s for s in result.skipped)
+
+
+def test_corrected_feed_keeps_exactness_with_every_expert_active(tmp_path, calib_model):
+    """With k = N the carved model is the dense one, so the corrected target is the dense FFN output, nothing is refit
+    or tuned, and the logits are the dense logits."""
+    cfg = build_config(experts=4, top_k=4, calib_feed="corrected", tune_epochs=2, **CALIB)
+    report = run_conversion(plan_conversion(calib_model, cfg), tmp_path / "moe")
+    assert not any(lay["tuned"] or lay["compensated"] for lay in report["layers"])
+    assert max_logit_diff(calib_model, tmp_path / "moe") <= 1e-5
