@@ -149,7 +149,7 @@ class LayerwiseModel:
 # ------------------------------------------------------------------------------------ the calibration pass
 
 
-def calibrate_and_carve(plan, tmp: Path, progress=None) -> tuple[dict, dict]:
+def calibrate_and_carve(plan, tmp: Path, progress=None) -> tuple[dict, dict, torch.Tensor]:
     """Run the calibration tokens through the model layer by layer and carve every layer from them.
 
     Per layer: build the real decoder layer, run attention on all hidden states, compute the FFN input x,
@@ -158,7 +158,8 @@ def calibrate_and_carve(plan, tmp: Path, progress=None) -> tuple[dict, dict]:
     too, and each carved layer is fitted to the output that brings the residual stream back to the dense one
     (h_dense_next - h_mid_carved), so the error of earlier carved layers is corrected instead of compounded.
     Refit and tuned FFN weights are spilled to tmp/.carve/{layer}.safetensors. Returns ({layer: CarvedLayer},
-    info) where info names the dense layers chosen by --dense-layers auto:M.
+    info, tokens) where info names the dense layers chosen by --dense-layers auto:M and tokens are the calibration
+    windows (n_windows, seq_len), which whole-model tuning trains on.
     """
     from safetensors.torch import save_file
 
@@ -218,7 +219,7 @@ def calibrate_and_carve(plan, tmp: Path, progress=None) -> tuple[dict, dict]:
     if stats_files:
         _merge_stats(stats_files, tmp / "calibration" / "stats.safetensors",
                      {"tokens": str(int(tokens.numel())), "seq_len": str(seq_len)})
-    return carved, info
+    return carved, info, tokens
 
 
 def _merge_stats(files: list[Path], out: Path, metadata: dict[str, str]) -> None:

@@ -142,10 +142,10 @@ def convert(
                                          "(every expert is d_ff/(experts+shared) wide) [default: 0]."),
     method: Optional[str] = typer.Option(None, help="Neuron partition: contiguous | random | gate-cluster "
                                          "(balanced k-means of gate_proj rows) | activation | coactivation (both "
-                                         "need --calib) [default: gate-cluster; with --calib: activation]."),
+                                         "need calibration) [default: activation; with --weight-only: gate-cluster]."),
     router: Optional[str] = typer.Option(None, help="Router rows: mean-gate (EMoE) | representative (CMoE) | fitted "
-                                         "(ridge fit to the experts' true output norms, needs --calib) "
-                                         "[default: representative; with --calib: fitted]."),
+                                         "(ridge fit to the experts' true output norms, needs calibration) "
+                                         "[default: fitted; with --weight-only: representative]."),
     format: Optional[str] = typer.Option(None, "--format", help="Output format: mixtral | qwen2_moe | auto "
                                          "(qwen2_moe when --shared or --dense-layers need it) [default: auto]."),
     dense_layers: Optional[str] = typer.Option(None, help="Layers kept dense (qwen2_moe): a list, e.g. 0,31, or auto:M "
@@ -162,7 +162,10 @@ def convert(
     untie_embeddings: Optional[bool] = typer.Option(None, "--untie-embeddings/--keep-tied", help="Write an explicit "
                                                     "lm_head copy for tied-embedding sources [default: keep tied]."),
     calib: Optional[list[Path]] = typer.Option(None, "--calib", help="Calibration text (.txt, or .jsonl with a 'text' "
-                                               "field); repeat for several files. Enables calibrated carving."),
+                                               "field) from your domain; repeat for several files [default: the "
+                                               "bundled sample, ~200 KB of Wikipedia and a novel]."),
+    weight_only: bool = typer.Option(False, "--weight-only", help="Carve from the weights alone (no calibration: "
+                                     "fast, much worse quality; see BENCHMARKS.md)."),
     calib_tokens: Optional[int] = typer.Option(None, help="Calibration tokens; more than the text has is an error "
                                               "[default: all of the text, up to 65536]."),
     calib_seq_len: Optional[int] = typer.Option(None, help="Calibration window length [default: 512, capped at "
@@ -175,6 +178,10 @@ def convert(
                                               "Adam over the calibration tokens on its experts' gate/up/down, towards "
                                               "the dense output (needs --calib; 0 = off) [default: 0]."),
     tune_lr: Optional[float] = typer.Option(None, help="Tuning step size, relative to each weight's RMS [default: 0.01]."),
+    tune_scope: Optional[str] = typer.Option(None, help="layer: each carved FFN towards its target output on cached "
+                                             "inputs (one layer resident) | model: distil the whole carved model "
+                                             "towards the dense model's logits (two model copies on --device) "
+                                             "[default: layer]."),
     compensate: Optional[bool] = typer.Option(None, "--compensate/--no-compensate", help="Refit down_proj by ridge "
                                               "least squares under the actual routing [default: on with --calib]."),
     stats: Optional[Path] = typer.Option(None, help="Reuse neuron statistics (OUT/calibration/stats.safetensors of an "
@@ -204,14 +211,17 @@ def convert(
     from .report import print_plan, print_result
 
     try:
-        cfg = build_config(preset, experts=experts, top_k=top_k, shared=shared, method=method, router=router,
+        if weight_only and calib:
+            raise MoeifyError("--weight-only and --calib contradict each other", "pass one of them")
+        cfg = build_config(preset, default_calib=not weight_only, experts=experts, top_k=top_k, shared=shared,
+                           method=method, router=router,
                            format=format, dense_layers=dense_layers, gate_tolerance=gate_tolerance, seed=seed,
                            kmeans_iters=kmeans_iters, dtype=dtype, max_shard_size=max_shard_size,
                            pad_experts_to=pad_experts_to,
                            untie_embeddings=untie_embeddings, calib=calib, calib_tokens=calib_tokens,
                            calib_seq_len=calib_seq_len, calib_feed=calib_feed, compensate=compensate,
                            stats=str(stats) if stats else None, device=device, tune_epochs=tune_epochs,
-                           tune_lr=tune_lr)
+                           tune_lr=tune_lr, tune_scope=tune_scope)
         if eval_data:  # a bad --eval file fails before the conversion, not after it
             from .evaluate import read_text
 

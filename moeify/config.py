@@ -15,7 +15,9 @@ ROUTERS = ("mean-gate", "representative", "fitted")
 CALIB_METHODS = ("activation", "coactivation")  # need calibration data
 # Chosen by scripts/bench_quality.py (BENCHMARKS.md): the defaults when --calib is given without --method/--router.
 CALIBRATED_DEFAULTS = {"method": "activation", "router": "fitted", "compensate": True}
+BUNDLED_CALIB = Path(__file__).resolve().parent / "data" / "calib_sample.txt"  # see moeify/data/README.md
 FEEDS = ("dense", "moe", "corrected")
+TUNE_SCOPES = ("layer", "model")
 DEVICES = ("auto", "cpu", "cuda")
 FORMATS = ("auto", "mixtral", "qwen2_moe")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -49,7 +51,8 @@ class ConvertConfig:
     stats: str = ""  # reuse neuron statistics saved by an earlier calibrated conversion
     device: str = "auto"
     # tuning (layer-local distillation of the carved experts after the training-free carve; needs calibration)
-    tune_epochs: int = 0  # passes over the calibration tokens per layer; 0 = no tuning
+    tune_epochs: int = 0  # passes over the calibration tokens; 0 = no tuning
+    tune_scope: str = "layer"  # layer: each FFN towards its target on cached inputs; model: logit distillation
     tune_lr: float = 0.01  # Adam step size relative to each tensor's RMS
 
     @property
@@ -102,6 +105,7 @@ class ConvertConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("calib_feed", self.calib_feed, FEEDS)
         _check_choice("device", self.device, DEVICES)
+        _check_choice("tune_scope", self.tune_scope, TUNE_SCOPES)
         if self.needs_calibration and not self.calib:
             what = ("--method " + self.method if self.method in CALIB_METHODS else "--router fitted"
                     if self.router == "fitted" else "--compensate" if self.compensate else "--tune-epochs"
@@ -174,10 +178,14 @@ def load_preset(path: str | Path) -> dict:
     return data
 
 
-def build_config(preset: str | Path | None = None, **flags) -> ConvertConfig:
-    """Merge a preset with flags (flags that are None fall back to the preset, then to the defaults)."""
+def build_config(preset: str | Path | None = None, default_calib: bool = False, **flags) -> ConvertConfig:
+    """Merge a preset with flags (flags that are None fall back to the preset, then to the defaults).
+    default_calib: calibrate on the bundled sample (BUNDLED_CALIB) when neither preset nor flags name a text
+    (the command line's default; `--weight-only` turns it off)."""
     values = load_preset(preset) if preset else {}
     values.update({k: v for k, v in flags.items() if v is not None})
+    if default_calib and not values.get("calib"):
+        values["calib"] = (str(BUNDLED_CALIB),)
     if isinstance(values.get("calib"), (str, Path)):
         values["calib"] = (values["calib"],)  # calib = "file.txt" in a preset
     if values.get("calib"):

@@ -222,9 +222,11 @@ def run_conversion(plan: ConversionPlan, out: str | Path, *, overwrite: bool = F
         if plan.cfg.needs_calibration:
             from .calibrate import calibrate_and_carve
 
-            carved, calib_info = calibrate_and_carve(plan, tmp, progress)
+            carved, calib_info, tokens = calibrate_and_carve(plan, tmp, progress)
             if plan.cfg.dense_auto:
                 plan = with_dense_layers(plan, calib_info["dense_layers"])
+            if plan.cfg.tune_epochs and plan.cfg.tune_scope == "model" and plan.cfg.top_k < plan.cfg.experts:
+                calib_info["tuning"] = _tune_model(plan, carved, tmp, tokens, progress)
         writer = BackgroundWriter(ShardWriter(tmp, plan.layout), max_pending=WRITE_AHEAD_BYTES)
         layers_report = _write_tensors(plan, writer, carved, tmp, progress)
         writer.finish()
@@ -244,6 +246,45 @@ def run_conversion(plan: ConversionPlan, out: str | Path, *, overwrite: bool = F
 
 
 WRITE_AHEAD_BYTES = 512 << 20  # output bytes queued for the writer thread while the next layer is carved
+
+
+def _tune_model(plan: ConversionPlan, carved: dict[int, CarvedLayer], tmp: Path, tokens: torch.Tensor,
+                progress: Progress | None) -> dict:
+    """Whole-model tuning (--tune-scope model): the carved layers' expert weights are distilled towards the dense
+    model's logits on the calibration windows (moeify.tune.distill_model), then spilled like the refit weights.
+    Holds the dense model twice (teacher and student) on --device: for 7B+ models that needs a GPU."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from .numerics import resolve_device
+    from .tune import MaskedMoE, TuneSettings, distill_model
+
+    cfg, src, reader = plan.cfg, plan.src, plan.reader
+    device = resolve_device(cfg.device)
+    try:
+        teacher = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32, local_files_only=True,
+                                                       use_safetensors=True, trust_remote_code=False).to(device).eval()
+    except OSError as exc:
+        raise MoeifyError(f"--tune-scope model cannot load {src.path} ({exc.__class__.__name__})",
+                          "whole-model tuning needs safetensors weights; use --tune-scope layer") from None
+    student = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32, local_files_only=True,
+                                                   use_safetensors=True, trust_remote_code=False).to(device).eval()
+    for i, layer in carved.items():
+        if i in cfg.dense_layers:
+            continue
+        p = f"model.layers.{i}.mlp."
+        spilled = load_file(str(tmp / SPILL_DIR / f"{i}.safetensors")) if layer.spilled else {}
+        gate, up, down = (spilled.get(k, reader.get(p + f"{k}_proj.weight")) for k in ("gate", "up", "down"))
+        student.model.layers[i].mlp = MaskedMoE(gate, up, down, layer.router, layer.part.labels(), cfg.top_k).to(device)
+    settings = TuneSettings(epochs=cfg.tune_epochs, lr=cfg.tune_lr, seed=cfg.seed)
+    info = distill_model(teacher, student, tokens, settings, progress=progress)
+    for i, layer in carved.items():
+        mlp = student.model.layers[i].mlp
+        if isinstance(mlp, MaskedMoE):
+            save_file({k: getattr(mlp, k).detach().to(plan.out_dtype).contiguous().cpu() for k in ("gate", "up", "down")},
+                      str(tmp / SPILL_DIR / f"{i}.safetensors"))
+            layer.spilled, layer.tuned = ("down", "gate", "up"), ("gate", "up", "down")
+    return {"scope": "model", "epochs": cfg.tune_epochs, "lr": cfg.tune_lr, **info}
 
 
 def _write_tensors(plan: ConversionPlan, writer: ShardWriter, carved: dict[int, CarvedLayer], tmp: Path,

@@ -126,7 +126,11 @@ def print_plan(console: Console, plan, out: Path) -> None:
     if cfg.needs_calibration:
         tokens = f"{cfg.calib_tokens:,} tokens" if cfg.calib_tokens else f"all tokens, up to {CALIB_TOKENS_CAP:,}"
         seq_len = min(cfg.calib_seq_len, int(src.raw.get("max_position_embeddings") or cfg.calib_seq_len))
-        t.add_row("calibration", f"{tokens} of {len(cfg.calib)} file(s), windows of {seq_len}")
+        from .config import BUNDLED_CALIB
+
+        text = ("the bundled sample (--calib TEXT: your own; --weight-only: none)" if cfg.calib == (str(BUNDLED_CALIB),)
+                else f"{len(cfg.calib)} file(s)")
+        t.add_row("calibration", f"{tokens} of {text}, windows of {seq_len}")
     if cfg.dense_layers:
         t.add_row("dense layers", ", ".join(map(str, cfg.dense_layers)))
     t.add_row("total params", f"{human_count(b.total_params)} ({b.total_ratio:.3f}× dense)")

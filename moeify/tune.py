@@ -110,3 +110,100 @@ def _epoch(x, target, maskf, weights, opt, sched, gen, n_fit: int, batch: int, s
         opt.step()
         sched.step()
     return steps
+
+
+# ------------------------------------------------------------------------------------ whole-model distillation
+
+
+class MaskedMoE(torch.nn.Module):
+    """A carved FFN as the exported MoE computes it, in the dense neuron order: each token uses the shared neurons
+    and the neurons of its top-k experts by router score (unit gates), the others are dropped. Stands in for a
+    decoder layer's `mlp` during distillation; its gate/up/down are the trainable expert weights."""
+
+    def __init__(self, gate, up, down, router: torch.Tensor, labels: torch.Tensor, top_k: int):
+        super().__init__()
+        self.gate, self.up, self.down = (torch.nn.Parameter(t.detach().float().clone()) for t in (gate, up, down))
+        self.register_buffer("router", router.detach().float().clone())  # (E, d_model); only its top-k order matters
+        self.register_buffer("labels", labels.clone())  # (d_ff,) expert of each neuron, -1 = shared (always on)
+        self.top_k = top_k
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = h.reshape(-1, h.shape[-1])
+        with torch.no_grad():
+            chosen = torch.zeros(x.shape[0], self.router.shape[0] + 1, dtype=torch.bool, device=x.device)
+            chosen[:, -1] = True  # column -1: the shared neurons
+            chosen.scatter_(1, (x @ self.router.T).topk(self.top_k, dim=1).indices, True)
+            mask = chosen[:, self.labels].to(x.dtype)
+        return masked_ffn(x, self.gate, self.up, self.down, mask).view(h.shape)
+
+
+def _kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of KL(teacher || student) of the next-token distributions."""
+    t = F.log_softmax(teacher_logits.float(), dim=-1)
+    s = F.log_softmax(student_logits.float(), dim=-1)
+    return (t.exp() * (t - s)).sum(-1).mean()
+
+
+def distill_model(teacher: torch.nn.Module, student: torch.nn.Module, tokens: torch.Tensor,
+                  settings: TuneSettings, batch_windows: int = 4, progress=None) -> dict:
+    """End-to-end logit distillation: the student (the dense model with carved layers' `mlp` replaced by MaskedMoE)
+    is trained to match the dense teacher's next-token distributions on the calibration windows (no labels).
+
+    tokens: (n_windows, seq_len). Only MaskedMoE parameters are trained (step sizes relative to each tensor's RMS,
+    as in tune_layer); the last `holdout` share of the windows is held back, and the weights of the epoch with the
+    lowest held-out KL are kept (the carved ones if no epoch beats them). Returns info: held-out KL before/after,
+    the epoch kept, steps. The student's MaskedMoE modules hold the kept weights afterwards.
+    """
+    moes = [m for m in student.modules() if isinstance(m, MaskedMoE)]
+    for p in student.parameters():
+        p.requires_grad_(False)
+    params = [p for m in moes for p in (m.gate, m.up, m.down)]
+    for p in params:
+        p.requires_grad_(True)
+    n = tokens.shape[0]
+    n_hold = max(1, int(round(settings.holdout * n))) if n > 1 else 0
+    fit, hold = tokens[: n - n_hold], tokens[n - n_hold:]
+    device = params[0].device
+    with torch.no_grad():  # the teacher's logits on the held-back windows, once
+        hold_logits = [teacher(hold[s:s + batch_windows].to(device)).logits for s in range(0, n_hold, batch_windows)]
+
+    def held_out() -> float:
+        if not n_hold:
+            return float("nan")
+        with torch.no_grad():
+            kl = [_kl(student(hold[s:s + batch_windows].to(device)).logits, t) * t.shape[0]
+                  for s, t in zip(range(0, n_hold, batch_windows), hold_logits)]
+        return (sum(kl) / n_hold).item()
+
+    groups = [{"params": [p], "lr": settings.lr * p.detach().pow(2).mean().sqrt().item()} for p in params]
+    opt = torch.optim.Adam(groups, betas=(0.9, 0.99))
+    steps_per_epoch = max(1, fit.shape[0] // batch_windows)
+    total = steps_per_epoch * settings.epochs
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / total)))
+    gen = torch.Generator().manual_seed(settings.seed)
+    before = best = held_out()
+    best_state, best_epoch, steps = [p.detach().clone() for p in params], 0, 0
+    for epoch in range(1, settings.epochs + 1):
+        order = torch.randperm(fit.shape[0], generator=gen)
+        for s in range(steps_per_epoch):
+            batch = fit[order[s * batch_windows:(s + 1) * batch_windows]].to(device)
+            with torch.no_grad():
+                target = teacher(batch).logits
+            loss = _kl(student(batch).logits, target)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            steps += 1
+            if progress:
+                progress("tuning", steps, total)
+        err = held_out()
+        if not n_hold or err < best:
+            best, best_epoch = err, epoch
+            best_state = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p, kept in zip(params, best_state):
+            p.copy_(kept)
+            p.requires_grad_(False)
+    return {"holdout_kl_before": before, "holdout_kl_after": best, "epoch_kept": best_epoch, "steps": steps,
+            "windows": int(fit.shape[0]), "tokens": int(fit.numel())}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -286,3 +288,28 @@ def test_no_too_long_sequence_warning_when_tokenizing_long_text(tmp_path, calib_
         hf.removeHandler(handler)
     assert n_text > 128 and len(ids) > 128
     assert seen == ["another tokenizer warning"]
+
+
+def test_cli_calibrates_on_the_bundled_sample_by_default(tmp_path, calib_model):
+    """Without --calib the command line carves calibrated (the best default) on the bundled sample and says so;
+    --weight-only opts out; the two cannot be combined."""
+    from typer.testing import CliRunner
+
+    from moeify.cli import app
+    from moeify.config import BUNDLED_CALIB
+
+    args = ["convert", str(calib_model), str(tmp_path / "moe"), "-n", "4", "-k", "2", "--calib-tokens", "1024",
+            "--calib-seq-len", "64"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "of the bundled sample (--calib TEXT: your own; --weight-only: none)" in " ".join(result.output.split())
+    report = json.loads((tmp_path / "moe" / "report.json").read_text())
+    assert report["settings"]["calib"] == [str(BUNDLED_CALIB)] and report["settings"]["method"] == "activation"
+    assert report["calibration"]["tokens"] == 1024 and all(lay["compensated"] for lay in report["layers"])
+    weights = CliRunner().invoke(app, ["convert", str(calib_model), str(tmp_path / "w"), "-n", "4", "-k", "2",
+                                       "--weight-only"])
+    assert weights.exit_code == 0, weights.output
+    report = json.loads((tmp_path / "w" / "report.json").read_text())
+    assert report["settings"]["calib"] == [] and report["settings"]["method"] == "gate-cluster"
+    both = CliRunner().invoke(app, args[:3] + ["--weight-only", "--calib", str(BUNDLED_CALIB)])
+    assert both.exit_code == 2 and "--weight-only and --calib contradict each other" in both.stderr

@@ -285,7 +285,8 @@ def test_cli_eval_table_json_and_plot(models, text_file, tmp_path):
 
 def test_convert_with_eval(tmp_path, tokenizer_dir, text_file):
     src = build_dense(tmp_path / "dense", tokenizer_dir)
-    code, out = run_cli("convert", src, tmp_path / "moe", "--experts", 4, "--top-k", 2, "--eval", text_file)
+    code, out = run_cli("convert", src, tmp_path / "moe", "--experts", 4, "--top-k", 2, "--weight-only",
+                        "--eval", text_file)
     assert code == 0, out
     assert "PPL" in out and "mixtral" in out and "routing of" in out
 

@@ -29,8 +29,12 @@ REPO = Path(__file__).resolve().parents[1]
 LAYER_TENSOR = "model.layers.1.mlp.up_proj.weight"
 
 
-def cli(*args) -> "Result":
-    return CliRunner().invoke(app, [str(a) for a in args])
+def cli(*args) -> "Result":  # noqa: F821
+    """The CLI; a conversion without --calib runs weight-only (fast) unless the test names its calibration."""
+    args = [str(a) for a in args]
+    if args[:1] == ["convert"] and not {"--calib", "--weight-only", "--help"} & set(args):
+        args.append("--weight-only")
+    return CliRunner().invoke(app, args)
 
 
 def error_lines(result) -> list[str]:
@@ -460,7 +464,7 @@ def slow_source(tmp_path_factory) -> Path:
 
 
 def _start_convert(src: Path, out: Path, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "moeify.cli", "convert", str(src), str(out), "-n", "8", "-k", "2",
+    cmd = [sys.executable, "-m", "moeify.cli", "convert", str(src), str(out), "-n", "8", "-k", "2", "--weight-only",
            "--method", "gate-cluster", "--kmeans-iters", "20", "--max-shard-size", "50KB", *extra]
     # A shell running the tests in the background (nohup, CI runners) may start us with SIGINT ignored, and a
     # child inherits that; restore the default so the child sees Ctrl-C as a user's terminal would send it.
