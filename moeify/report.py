@@ -130,7 +130,9 @@ def print_plan(console: Console, plan, out: Path) -> None:
 
         text = ("the bundled sample (--calib TEXT: your own; --weight-only: none)" if cfg.calib == (str(BUNDLED_CALIB),)
                 else f"{len(cfg.calib)} file(s)")
-        t.add_row("calibration", f"{tokens} of {text}, windows of {seq_len}")
+        t.add_row("calibration", f"{tokens} of {text}, windows of {seq_len}; feed: {cfg.calib_feed}")
+        if cfg.tune_epochs:
+            t.add_row("tuning", f"{cfg.tune_scope}, {cfg.tune_epochs} epoch(s), step {cfg.tune_lr:g} × weight RMS")
     if cfg.dense_layers:
         t.add_row("dense layers", ", ".join(map(str, cfg.dense_layers)))
     t.add_row("total params", f"{human_count(b.total_params)} ({b.total_ratio:.3f}× dense)")

@@ -95,3 +95,41 @@ def test_corrected_feed_keeps_exactness_with_every_expert_active(tmp_path, calib
     report = run_conversion(plan_conversion(calib_model, cfg), tmp_path / "moe")
     assert not any(lay["tuned"] or lay["compensated"] for lay in report["layers"])
     assert max_logit_diff(calib_model, tmp_path / "moe") <= 1e-5
+
+
+def test_whole_model_tuning_reports_kl_and_keeps_the_format(tmp_path, calib_model):
+    cfg = build_config(experts=4, top_k=2, tune_epochs=1, tune_scope="model", tune_lr=0.003, **CALIB)
+    report = run_conversion(plan_conversion(calib_model, cfg), tmp_path / "moe")
+    tuning = report["calibration"]["tuning"]
+    assert tuning["scope"] == "model" and tuning["steps"] == (32 - 3) // 4 and tuning["tokens"] == 29 * 64
+    assert tuning["holdout_kl_after"] <= tuning["holdout_kl_before"]
+    assert all(lay["tuned"] == ["gate", "up", "down"] for lay in report["layers"])
+    result = verify_checkpoint(tmp_path / "moe", against=calib_model)
+    assert result.problems == []
+
+
+def test_masked_moe_computes_what_the_exported_mixtral_block_computes(tmp_path, calib_model):
+    """The distillation student's FFN (MaskedMoE: dense neuron order, top-k mask, unit gates) equals the converted
+    checkpoint's MoE block as transformers runs it, up to the unit-gate tolerance."""
+    from conftest import load
+    from moeify.convert import unpermute_ffn
+    from moeify.checkpoint import CheckpointReader
+    from moeify.tune import MaskedMoE
+
+    cfg = build_config(experts=4, top_k=2, gate_tolerance=1e-4, **CALIB)
+    report = run_conversion(plan_conversion(calib_model, cfg), tmp_path / "moe")
+    moe, _ = load(tmp_path / "moe")
+    reader = CheckpointReader(tmp_path / "moe")
+    entry = report["layers"][1]
+    part = Partition(torch.tensor(entry["perm"]), 0, 4, entry["expert_sizes"][0])
+    names = [n for n in reader.tensors if n.startswith("model.layers.1.block_sparse_moe.")]
+    tensors = {n: reader.get(n) for n in names}
+    gate, up, down = unpermute_ffn(tensors, part, "mixtral", 1, cfg)
+    router = tensors["model.layers.1.block_sparse_moe.gate.weight"]
+    student = MaskedMoE(gate, up, down, router, part.labels(), 2)
+    x = torch.randn(2, 10, 64, generator=torch.Generator().manual_seed(0))
+    x = moe.model.layers[1].post_attention_layernorm(x)  # a real router input (RMSNorm output)
+    with torch.no_grad():
+        got, ref = student(x), moe.model.layers[1].mlp(x)
+        ref = ref[0] if isinstance(ref, tuple) else ref
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-3
