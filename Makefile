@@ -23,7 +23,7 @@ CALIB   ?= examples/calib/wikitext2_train_sample.txt
 # Weight-only carving (gate-cluster + representative router), then the calibrated default
 # (activation partition + fitted router + down_proj refit), both compared with the dense model.
 demo: $(STAMP)
-	$(BIN)/moeify convert $(MODEL) $(OUT)-weights --experts 8 --top-k 2 --overwrite
+	$(BIN)/moeify convert $(MODEL) $(OUT)-weights --experts 8 --top-k 2 --weight-only --overwrite
 	$(BIN)/moeify convert $(MODEL) $(OUT) --experts 8 --top-k 2 --calib $(CALIB) --calib-tokens 16384 --overwrite
 	$(BIN)/moeify eval $(MODEL) $(OUT)-weights $(OUT) --seq-len 256 --max-tokens $(EVAL_TOKENS)
 
