@@ -114,9 +114,12 @@ def phase_convert(a) -> dict:
             rss.append(rss_now())
 
     t0 = time.perf_counter()
-    cfg = build_config(experts=a.experts, top_k=a.top_k, method="activation", router="fitted", calib=[a.calib],
-                       calib_tokens=a.tokens, calib_seq_len=a.seq_len, device=a.device,
-                       compensate=a.phase == "refit")
+    if a.phase == "preset":  # the preset's whole pipeline on the same tokens
+        cfg = build_config(a.preset, calib=[a.calib], calib_tokens=a.tokens, calib_seq_len=a.seq_len, device=a.device)
+    else:
+        cfg = build_config(experts=a.experts, top_k=a.top_k, method="activation", router="fitted", calib=[a.calib],
+                           calib_tokens=a.tokens, calib_seq_len=a.seq_len, device=a.device,
+                           compensate=a.phase == "refit")
     out = Path(a.out)
     run_conversion(plan_conversion(a.src, cfg), out, overwrite=True, progress=progress)
     seconds = time.perf_counter() - t0
@@ -133,6 +136,8 @@ def run_phase(phase: str, a) -> dict:
     cmd = [sys.executable, __file__, str(a.src), "--phase", phase, "--tokens", str(a.tokens), "--seq-len",
            str(a.seq_len), "--device", a.device, "--experts", str(a.experts), "--top-k", str(a.top_k),
            "--calib", str(a.calib), "--work", str(a.work), "--result", str(out_json)]
+    if a.preset:
+        cmd += ["--preset", str(a.preset)]
     log = Path(a.work) / f"{phase}.log"
     t0 = time.perf_counter()
     with open(log, "w") as fh:
@@ -167,7 +172,9 @@ def main(argv=None) -> None:
     p.add_argument("--label", default=None)
     p.add_argument("--append", type=Path, default=None, help="markdown file to add the result to")
     p.add_argument("--no-refit", action="store_true", help="skip the run with the down_proj refit")
-    p.add_argument("--phase", choices=("forward", "convert", "refit"), default=None, help=argparse.SUPPRESS)
+    p.add_argument("--preset", type=Path, default=None, help="time this preset's whole pipeline instead of the "
+                   "convert/refit runs (e.g. configs/active-50.toml)")
+    p.add_argument("--phase", choices=("forward", "convert", "refit", "preset"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     a.out = str(Path(a.work) / "moe")
@@ -183,7 +190,8 @@ def main(argv=None) -> None:
     fwd = run_phase("forward", a)
     print(f"forward: {fwd['seconds']:.1f} s, peak RSS {gb(fwd['peak_rss'])} GB", flush=True)
     runs = {}
-    for phase in ("convert",) + (() if a.no_refit else ("refit",)):
+    phases = ("preset",) if a.preset else ("convert",) + (() if a.no_refit else ("refit",))
+    for phase in phases:
         runs[phase] = run_phase(phase, a)
         shutil.rmtree(a.out, ignore_errors=True)
         print(f"{phase}: {runs[phase]['seconds']:.1f} s, peak RSS {gb(runs[phase]['peak_rss'])} GB", flush=True)
@@ -193,13 +201,15 @@ def main(argv=None) -> None:
         return f"{gb(min(xs))}–{gb(max(xs))} GB" if xs else "–"
 
     what = {"convert": "convert --method activation --router fitted --no-compensate, incl. writing",
-            "refit": "the same + down_proj refit (--compensate, the --calib default)"}
+            "refit": "the same + down_proj refit (--compensate, the --calib default)",
+            "preset": f"convert --preset {a.preset}, incl. writing"}
     shape = (f"hidden {cfg['hidden_size']}, d_ff {cfg['intermediate_size']}, {cfg['num_hidden_layers']} layers, "
              f"vocab {cfg['vocab_size']}")
     lines = [f"### Calibrated conversion: {label} ({shape}), {fwd['tokens']} tokens × seq {a.seq_len}, "
              f"{a.experts} experts top-{a.top_k}, {a.device}, {time.strftime('%Y-%m-%d %H:%M')}", "",
              "```", f"python scripts/bench_calibrate.py {a.src} --tokens {a.tokens} --seq-len {a.seq_len}"
-             + (f" --device {a.device}" if a.device != "cpu" else "") + (" --no-refit" if a.no_refit else ""), "```", "",
+             + (f" --device {a.device}" if a.device != "cpu" else "") + (" --no-refit" if a.no_refit else "")
+             + (f" --preset {a.preset}" if a.preset else ""), "```", "",
              "| run | seconds | × forward | peak RSS | RSS after each layer (min–max) |", "|---|---:|---:|---:|---|",
              f"| plain layer-sequential forward | {fwd['seconds']:.1f} | 1.00 | {gb(fwd['peak_rss'])} GB | {flat(fwd)} |"]
     for phase, r in runs.items():
