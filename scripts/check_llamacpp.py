@@ -184,11 +184,11 @@ def last_error(text: str) -> str:
     return (bad or lines or ["(no output)"])[-1][:200]
 
 
-def perplexity(exe: Path, gguf: Path, text: Path, ctx: int, chunks: int, log_path: Path) -> dict:
+def perplexity(exe: Path, gguf: Path, text: Path, ctx: int, chunks: int, threads: int, log_path: Path) -> dict:
     """{"ppl": final estimate or None, "error": None, or why there is none (load error, NaN chunks)}."""
     if not log_path.is_file():
-        res = run(["nice", "-n", "10", exe, "-m", gguf, "-f", text, "-c", ctx, "--chunks", chunks, "-b", ctx,
-                   "-t", str(min(os.cpu_count() or 1, 2))], capture_output=True, text=True)
+        res = run([exe, "-m", gguf, "-f", text, "-c", ctx, "--chunks", chunks, "-b", ctx, "-t", threads],
+                  capture_output=True, text=True)
         log_path.write_text(res.stdout + res.stderr)
     out = log_path.read_text()
     m = re.search(r"Final estimate: PPL = (\S+)", out)
@@ -255,7 +255,10 @@ def main(argv=None) -> None:
     p.add_argument("--rows", default="all", help="comma-separated row names (or slugs) of ROWS, or 'all'")
     p.add_argument("--chunks", type=int, default=32, help="llama-perplexity chunks of --ctx tokens")
     p.add_argument("--ctx", type=int, default=256)
+    p.add_argument("--threads", type=int, default=1, help="llama-perplexity threads (1: its spinning thread barrier "
+                   "is slow on a shared, busy machine; raise it on an idle one)")
     p.add_argument("--eval-chars", type=int, default=200_000, help="first chars of WikiText-2 valid to score")
+    p.add_argument("--skip-eval", action="store_true", help="llama.cpp only, no moeify eval column")
     p.add_argument("--fix-router-mapping", action="store_true", help="apply the one-line router-mapping workaround")
     p.add_argument("--json", type=Path, default=None, help="write every number here (default: WORK/result-PIN.json)")
     a = p.parse_args(argv)
@@ -303,10 +306,10 @@ def main(argv=None) -> None:
         g = ggufs / f"{slug(name)}.gguf"
         r["error"] = to_gguf(py, top, r["path"], g, gguf_py)
         if r["error"] is None:
-            r.update(perplexity(exe, g, text, a.ctx, a.chunks, ggufs / f"{slug(name)}.ppl.log"))
+            r.update(perplexity(exe, g, text, a.ctx, a.chunks, a.threads, ggufs / f"{slug(name)}.ppl.log"))
     n_tokens = a.ctx * a.chunks
     ok = [r["path"] for r in results.values() if (r["path"] / "config.json").is_file()]
-    evals = moeify_eval(ok, text, a.ctx, n_tokens, work / f"moeify-eval-{n_tokens}.json")
+    evals = {} if a.skip_eval else moeify_eval(ok, text, a.ctx, n_tokens, work / f"moeify-eval-{n_tokens}.json")
     dense_l, dense_m = results["dense"].get("ppl"), evals.get(str(model))
 
     lines = [f"llama-cpp-python {pin} (llama.cpp {commit}){', router mapping fixed' if fixed else ''}: "
