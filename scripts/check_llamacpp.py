@@ -178,9 +178,9 @@ def to_gguf(py: Path, top: Path, model: Path, out: Path, gguf_py: Path | None) -
 def last_error(text: str) -> str:
     """The telling line of a failure: a model-load or tensor-mapping error if any, else the last error line."""
     for pat in (r"error loading model: (.*)", r"(Can not map tensor .*)", r"(missing tensor .*)"):
-        m = re.search(pat, text)
-        if m:
-            return m.group(1).strip()[:200]
+        found = re.findall(pat, text)  # the last one: a traceback quotes the raising source line first
+        if found:
+            return found[-1].strip()[:200]
     lines = [l.strip() for l in text.splitlines() if l.strip()]
     bad = [l for l in lines if re.search(r"error|Error", l)]
     return (bad or lines or ["(no output)"])[-1][:200]
@@ -320,7 +320,7 @@ def main(argv=None) -> None:
              "", f"| model | llama.cpp PPL | ratio to dense | moeify eval PPL | ratio to dense | llama.cpp |",
              "|---|---|---|---|---|---|"]
     for name, r in results.items():
-        lp, mp = r.get("ppl"), evals.get(str(r["path"]))
+        lp, mp = r.get("ppl"), evals.get(str(r["path"].resolve()))
         r["moeify_eval_ppl"] = mp
         status = r.get("error") or "ok"
         lr = f"{lp / dense_l:.5f}" if lp and dense_l else "-"
