@@ -68,7 +68,8 @@ def shared_gate_value(norm_weight: torch.Tensor, tolerance: float) -> float:
     The gate's input is RMSNorm output x = n * g with ||n|| = sqrt(d), so |c * sum(x)| <= c * ||g|| * sqrt(d) = m and
     sigmoid(z) / (1/2) = 2 / (1 + exp(-z)) lies in [exp(-m/2), exp(m/2)]: m = 2 * tolerance suffices. A zero gate
     (exactly 1/2) is not used because llama.cpp computes the sigmoid as silu(z)/z, which is NaN at z = 0. c is a power
-    of two (exact in every float dtype) and at least SHARED_GATE_MIN."""
+    of two (exact in every float dtype) and at least SHARED_GATE_MIN (where that floor applies, the bound is
+    m = SHARED_GATE_MIN * ||g|| * sqrt(d) instead)."""
     bound = norm_weight.float().norm().item() * math.sqrt(norm_weight.numel())
     if bound <= 0:
         return SHARED_GATE_MIN
