@@ -25,8 +25,9 @@ from .checkpoint import (DTYPE_NAMES, SPILL_DIR, BackgroundWriter, CheckpointRea
 from .config import ConvertConfig, config_to_dict, config_to_toml
 from .errors import MoeifyError
 from .carve import CarvedLayer, carve_weight_only
+from .router import SHARED_GATE_MIN, shared_gate_value
 from .families import (TOKENIZER_FILES, SourceModel, attention_extras, check_source_tensors, ffn_tensor_names,
-                       load_source, target_config)
+                       load_source, routed_factor, target_config)
 from .partition import Partition, valid_expert_counts
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
@@ -163,11 +164,13 @@ def _ffn_shape(name: str, src: SourceModel, cfg: ConvertConfig, width: int, dens
 
 
 def ffn_output_tensors(fmt: str, layer_idx: int, part: Partition, router: torch.Tensor, gate: torch.Tensor,
-                       up: torch.Tensor, down: torch.Tensor, cfg: ConvertConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """router: (n_experts, d_model) already scaled for unit gates; down: dense or refit (d_model, d_ff)."""
-    """The target tensors of one carved FFN. Selected experts get weight ~1/k, so down_proj is multiplied by k;
-    the Qwen2-MoE shared expert gets sigmoid(0) = 1/2, so its down_proj is multiplied by 2."""
-    k = cfg.top_k
+                       up: torch.Tensor, down: torch.Tensor, cfg: ConvertConfig, dtype: torch.dtype,
+                       shared_gate: float) -> dict[str, torch.Tensor]:
+    """The target tensors of one carved FFN. router: (n_experts, d_model) already scaled for unit gates; down: dense
+    or refit (d_model, d_ff). Selected experts get weight ~1/k (Mixtral) or ~1/N (Qwen2-MoE, not renormalised), so
+    down_proj is multiplied by k or N (`routed_factor`); the Qwen2-MoE shared expert gets sigmoid(~0) ~ 1/2 from the
+    constant gate row `shared_gate` (router.shared_gate_value), so its down_proj is multiplied by 2."""
+    k = routed_factor(fmt, cfg.experts, cfg.top_k)
     pad = padded_width(part.expert_width, cfg.pad_experts_to) - part.expert_width
     names = iter(ffn_tensor_names(fmt, layer_idx, cfg.experts, dense=False, shared=cfg.shared > 0))
     out = {next(names): router.to(dtype)}
@@ -181,7 +184,7 @@ def ffn_output_tensors(fmt: str, layer_idx: int, part: Partition, router: torch.
         out[next(names)] = gate[idx].to(dtype)
         out[next(names)] = up[idx].to(dtype)
         out[next(names)] = _scaled(down[:, idx], 2, dtype)
-        out[next(names)] = torch.zeros(1, gate.shape[1], dtype=dtype)
+        out[next(names)] = torch.full((1, gate.shape[1]), float(shared_gate), dtype=dtype)
     return out
 
 
@@ -310,14 +313,20 @@ def _write_tensors(plan: ConversionPlan, writer: ShardWriter, carved: dict[int, 
                 writer.write(name, t.to(dtype))
             layers_report.append({"layer": i, "dense": True, **(carved[i].metrics if i in carved else {})})
         else:
-            layer = carved.get(i) or carve_weight_only(gate, up, down, reader.get(p + "post_attention_layernorm.weight"), cfg)
+            norm = reader.get(p + "post_attention_layernorm.weight")
+            layer = carved.get(i) or carve_weight_only(gate, up, down, norm, cfg)
             if layer.spilled:  # refit / tuned weights made during calibration
                 new = load_file(str(tmp / SPILL_DIR / f"{i}.safetensors"))
                 gate, up, down = new.get("gate", gate), new.get("up", up), new.get("down", down)
-            tensors = ffn_output_tensors(plan.fmt, i, layer.part, layer.router * layer.scale, gate, up, down, cfg, dtype)
+            # k = N: as close to exactly 1/2 as llama.cpp allows (its sigmoid is NaN at 0), like the zero router
+            tol = cfg.gate_tolerance if cfg.top_k < cfg.experts else 0.0
+            shared_gate = (SHARED_GATE_MIN if tol == 0 else shared_gate_value(norm, tol)) if plan.fmt == "qwen2_moe" else None
+            tensors = ffn_output_tensors(plan.fmt, i, layer.part, layer.router * layer.scale, gate, up, down, cfg, dtype,
+                                         shared_gate)
             for name, t in tensors.items():
                 writer.write(name, t)
-            layers_report.append({"layer": i, "dense": False, **layer.report()})
+            extra = {} if shared_gate is None else {"shared_gate": shared_gate}
+            layers_report.append({"layer": i, "dense": False, **layer.report(), **extra})
         del gate, up, down
         if progress:
             progress("writing", i + 1, src.n_layers)
@@ -375,7 +384,7 @@ def unpermute_ffn(out_tensors: dict[str, torch.Tensor], part: Partition, fmt: st
     """Rebuild the dense gate/up/down of one layer from its expert tensors (inverse of ffn_output_tensors)."""
     names = ffn_tensor_names(fmt, layer_idx, cfg.experts, dense=False, shared=cfg.shared > 0)[1:]
     chunks_g, chunks_u, chunks_d = [], [], []
-    groups = [(names[3 * e: 3 * e + 3], cfg.top_k) for e in range(cfg.experts)]
+    groups = [(names[3 * e: 3 * e + 3], routed_factor(fmt, cfg.experts, cfg.top_k)) for e in range(cfg.experts)]
     if fmt == "qwen2_moe":
         groups.insert(0, (names[3 * cfg.experts: 3 * cfg.experts + 3], 2))
     for n, ((g, u, d), factor) in enumerate(groups):

@@ -2,8 +2,11 @@
 
 Tensor-name templates, config translation, and what each target can represent exactly.
 Facts checked against transformers 5.23 (see shared FORMATS.md):
-- Mixtral renormalises its top-k softmax weights; Qwen2-MoE does when `norm_topk_prob` (we set it).
-- Qwen2-MoE's shared expert is scaled by sigmoid(shared_expert_gate(x)); a zero gate gives exactly 0.5.
+- Mixtral renormalises its top-k softmax weights; Qwen2-MoE does only when `norm_topk_prob`. We write
+  `norm_topk_prob: false`, because llama.cpp's qwen2moe graph never renormalises (it ignores the key), so the
+  selected gates are ~1/N there and in transformers/vLLM alike (see `routed_factor`).
+- Qwen2-MoE's shared expert is scaled by sigmoid(shared_expert_gate(x)); llama.cpp computes that sigmoid as
+  silu(z)/z, NaN at z = 0, so the gate is a tiny constant row rather than zeros (see router.shared_gate_value).
 """
 
 from __future__ import annotations
@@ -172,7 +175,7 @@ def target_config(src: SourceModel, fmt: str, *, experts: int, top_k: int, exper
     elif fmt == "qwen2_moe":
         layer_types = ["sliding_attention" if src.sliding_window else "full_attention"] * src.n_layers
         cfg = Qwen2MoeConfig(**base, intermediate_size=src.d_ff, moe_intermediate_size=expert_width,
-                             shared_expert_intermediate_size=shared_width, num_experts=experts, norm_topk_prob=True,
+                             shared_expert_intermediate_size=shared_width, num_experts=experts, norm_topk_prob=False,
                              mlp_only_layers=list(dense_layers), decoder_sparse_step=1, qkv_bias=True,
                              use_sliding_window=bool(src.sliding_window), sliding_window=src.sliding_window,
                              max_window_layers=src.n_layers, layer_types=layer_types)
@@ -186,6 +189,12 @@ def target_config(src: SourceModel, fmt: str, *, experts: int, top_k: int, exper
     out["rope_theta"], out["rope_scaling"] = legacy_rope(src.rope_parameters)
     out.pop("transformers_version", None)
     return out
+
+
+def routed_factor(fmt: str, experts: int, top_k: int) -> int:
+    """Multiplier of the routed experts' down_proj for unit gates: the selected softmax weights are ~1/top_k when
+    the format renormalises them (Mixtral), ~1/experts when it does not (our Qwen2-MoE, norm_topk_prob false)."""
+    return top_k if fmt == "mixtral" else experts
 
 
 def ffn_tensor_names(fmt: str, layer_idx: int, experts: int, dense: bool, shared: bool) -> list[str]:

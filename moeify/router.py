@@ -59,6 +59,23 @@ def unit_gate_scale(router: torch.Tensor, norm_weight: torch.Tensor, tolerance: 
     return tolerance / bound if bound > 0 else 1.0
 
 
+SHARED_GATE_MIN = 2.0 ** -24  # the smallest float16 subnormal: the gate survives a float16 cast (ours or a GGUF's)
+
+
+def shared_gate_value(norm_weight: torch.Tensor, tolerance: float) -> float:
+    """c for Qwen2-MoE's shared_expert_gate row (c, ..., c), so that sigmoid(gate(x)) is within exp(±tolerance) of 1/2.
+
+    The gate's input is RMSNorm output x = n * g with ||n|| = sqrt(d), so |c * sum(x)| <= c * ||g|| * sqrt(d) = m and
+    sigmoid(z) / (1/2) = 2 / (1 + exp(-z)) lies in [exp(-m/2), exp(m/2)]: m = 2 * tolerance suffices. A zero gate
+    (exactly 1/2) is not used because llama.cpp computes the sigmoid as silu(z)/z, which is NaN at z = 0. c is a power
+    of two (exact in every float dtype) and at least SHARED_GATE_MIN (where that floor applies, the bound is
+    m = SHARED_GATE_MIN * ||g|| * sqrt(d) instead)."""
+    bound = norm_weight.float().norm().item() * math.sqrt(norm_weight.numel())
+    if bound <= 0:
+        return SHARED_GATE_MIN
+    return 2.0 ** max(math.log2(SHARED_GATE_MIN), math.floor(math.log2(2.0 * tolerance / bound)))
+
+
 def expert_output_norms(act: torch.Tensor, down: torch.Tensor, part: Partition) -> tuple[torch.Tensor, torch.Tensor]:
     """Each expert's output norm on every token, and the dense FFN output act @ down.T.
     Returns ((n_tokens, n_experts) L2 norms of the expert outputs (its neurons' down_proj contribution), (n_tokens,

@@ -13,13 +13,15 @@ Against the source (`--against SRC`):
 - every non-FFN tensor equals the source's, cast to the output dtype, bit for bit;
 - for each MoE layer, the experts' gate/up rows un-permuted (report.json's `perm`) give back the source
   gate_proj/up_proj bit for bit, and each expert's down_proj is the source's columns times its factor
-  (routed: top_k, qwen2_moe shared expert: 2), rounded once to the output dtype, bit for bit; added q/k/v biases and
-  the shared-expert gate are zero; dense layers equal the source;
+  (routed: k = top_k when the top-k weights are renormalised (mixtral), else N = the number of experts (qwen2_moe
+  with norm_topk_prob false); qwen2_moe shared expert: 2), rounded once to the output dtype, bit for bit; added
+  q/k/v biases are zero and the shared-expert gate is report.json's constant row; dense layers equal the source;
 - logits: both models in float32 (the dense one rounded through the output dtype first), the MoE model with every
-  expert active at exactly unit gates (router rows zeroed so every gate is 1/N, down_proj times N/top_k), on a short
-  random input: max |logit difference| ≤ LOGIT_RTOL × max |dense logit|. The reference's routed down_proj columns get
-  the one rounding the converter cannot avoid (× top_k stored in the output dtype, exact for a power-of-two top_k;
-  the bitwise check covers it), so this compares routing and structure, and is ~1e-6 when all is well.
+  expert active at exactly unit gates (router rows and shared-expert gate zeroed so every gate is 1/N and the shared
+  gate 1/2, down_proj times N/k), on a short random input: max |logit difference| ≤ LOGIT_RTOL × max |dense logit|.
+  The reference's routed down_proj columns get the one rounding the converter cannot avoid (× k stored in the output
+  dtype, exact for a power-of-two k; the bitwise check covers it), so this compares routing and structure, and is
+  ~1e-6 when all is well.
 Layers whose down_proj was refit (`--compensate`) or whose expert weights were tuned (`--tune-epochs`, report.json
 `tuned`) are not the dense FFN by design: those tensors and the logits comparison are skipped and say so; the
 structure, the untouched tensors and the permutation are still checked.
@@ -82,6 +84,12 @@ class MoeLayout:
     dtype: torch.dtype | None
     tied: bool
     shapes: dict[str, tuple[int, ...]]  # every tensor name -> shape, in layer order
+    renormalize: bool = True  # top-k weights renormalised (Mixtral; Qwen2-MoE with norm_topk_prob)
+
+    @property
+    def routed_factor(self) -> int:
+        """The routed experts' down_proj factor for unit gates: top_k when renormalised, else n_experts."""
+        return self.top_k if self.renormalize else self.n_experts
 
     def is_dense(self, layer_idx: int) -> bool:
         return layer_idx in self.dense_layers
@@ -167,7 +175,7 @@ def read_layout(out: Path) -> MoeLayout:
     if not tied:
         shapes["lm_head.weight"] = (vocab, h)
     return MoeLayout(fmt, n_layers, h, n_experts, cfg.num_experts_per_tok, width, shared, dense_width, dense_layers,
-                     dtype, tied, shapes)
+                     dtype, tied, shapes, renormalize=fmt == "mixtral" or bool(cfg.norm_topk_prob))
 
 
 def _listed(problems: list[str], what: str) -> list[str]:
@@ -377,7 +385,8 @@ def _check_moe_layer(layout: MoeLayout, reader: CheckpointReader, i: int, entry:
         groups.append((m + "shared_expert.gate_proj.weight", m + "shared_expert.up_proj.weight",
                        m + "shared_expert.down_proj.weight", perm[:n_shared], 2))
     for e in range(layout.n_experts):
-        groups.append((*layout.expert_names(i, e), perm[n_shared + e * w: n_shared + (e + 1) * w], layout.top_k))
+        groups.append((*layout.expert_names(i, e), perm[n_shared + e * w: n_shared + (e + 1) * w],
+                       layout.routed_factor))
     problems = []
     for e in range(layout.n_experts):  # zero padding neurons add silu(0) * 0 = 0
         g, u, d = layout.expert_names(i, e)
@@ -401,9 +410,11 @@ def _check_moe_layer(layout: MoeLayout, reader: CheckpointReader, i: int, entry:
             expected = (src_d[:, idx].float() * factor).to(dtype)
             if not _same(reader.get(d)[:, :len(idx)], expected):
                 problems.append(f"tensor {d} is not the source down_proj columns × {factor}")
-    if layout.fmt == "qwen2_moe" and reader.get(m + "shared_expert_gate.weight").count_nonzero():
-        problems.append(f"tensor {m}shared_expert_gate.weight should be zero (sigmoid(0) = 1/2 is what down_proj × 2 "
-                        "assumes)")
+    if layout.fmt == "qwen2_moe":  # older outputs (no shared_gate in report.json) have a zero gate
+        c = entry.get("shared_gate", 0.0)
+        if not torch.equal(reader.get(m + "shared_expert_gate.weight").float(), torch.full((1, layout.hidden), float(c))):
+            problems.append(f"tensor {m}shared_expert_gate.weight should be the constant row {c:g} of report.json "
+                            "(sigmoid ~ 1/2 is what down_proj × 2 assumes)")
     return problems
 
 
@@ -422,9 +433,9 @@ def compare_logits(out: Path, src: Path, layout: MoeLayout, report: dict | None,
 
     dtype = layout.dtype or torch.float32
     dense = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()  # exact for bf16/fp16 sources
-    k = layout.top_k
-    # The converter stores the routed experts' down_proj × top_k in the output dtype: one rounding, exact only for a
-    # power-of-two top_k (the bitwise check covers it). Give the reference the same weights, so that the logits
+    k = layout.routed_factor
+    # The converter stores the routed experts' down_proj × k (top_k, or N without renormalisation) in the output
+    # dtype: one rounding, exact only for a power-of-two k (the bitwise check covers it). Give the reference the same weights, so that the logits
     # compare the structure (permutation, routing, gates) and nothing else.
     rounded_down = {}
     for entry in (report or {}).get("layers", []):
@@ -445,14 +456,16 @@ def compare_logits(out: Path, src: Path, layout: MoeLayout, report: dict | None,
     cfg.num_experts_per_tok = layout.n_experts
     moe = AutoModelForCausalLM.from_pretrained(out, config=cfg, dtype=torch.float32).eval()
     routers = experts = 0
-    for module in moe.modules():
+    for path, module in moe.named_modules():
         name = type(module).__name__
-        if name.endswith("TopKRouter"):
+        if path.endswith("shared_expert_gate"):
+            module.weight.zero_()  # sigmoid(0): the shared gate exactly 1/2 (written as a tiny constant row)
+        elif name.endswith("TopKRouter"):
             module.weight.zero_()  # softmax over zeros: every gate exactly 1/N
             module.top_k = layout.n_experts
             routers += 1
         elif name.endswith("Experts") and isinstance(getattr(module, "down_proj", None), torch.Tensor):
-            module.down_proj.mul_(layout.n_experts / layout.top_k)  # down_proj carries top_k for gates of 1/top_k
+            module.down_proj.mul_(layout.n_experts / k)  # down_proj carries k for gates of 1/k
             experts += 1
     n_moe = layout.n_layers - len(layout.dense_layers)
     if routers != n_moe or experts != n_moe:

@@ -156,7 +156,6 @@ def row_settings(row: str) -> dict:
 
 def run_row(model_dir: Path, row: str, config: str, calib: Path, calib_tokens: int, evals: dict, seq_len, work: Path,
             feed: str) -> dict:
-    from transformers import AutoModelForCausalLM
 
     settings, shape = row_settings(row), parse_config(config)
     oracle = settings.pop("oracle", False)

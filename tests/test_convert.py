@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -79,16 +80,17 @@ def test_untied_lm_head_copy_is_exact(tmp_path):
     assert max_logit_diff(src, tmp_path / "moe") <= EXACT
 
 
-@pytest.mark.parametrize("fmt,shared", [("mixtral", 0), ("qwen2_moe", 1)])
-def test_round_trip_unpermute_is_bit_exact(tmp_path, fmt, shared):
+# down_proj × k (mixtral: top_k = 2) or × N (qwen2_moe, not renormalised: 4 experts) is exact for a power of two
+@pytest.mark.parametrize("fmt,shared,experts", [("mixtral", 0, 3), ("qwen2_moe", 2, 4)])
+def test_round_trip_unpermute_is_bit_exact(tmp_path, fmt, shared, experts):
     src = build_dense(tmp_path / "dense", dtype=torch.bfloat16)
-    report = convert(src, tmp_path / "moe", experts=3, top_k=2, shared=shared, format=fmt, method="gate-cluster")
-    cfg = build_config(experts=3, top_k=2, shared=shared, format=fmt)
+    report = convert(src, tmp_path / "moe", experts=experts, top_k=2, shared=shared, format=fmt, method="gate-cluster")
+    cfg = build_config(experts=experts, top_k=2, shared=shared, format=fmt)
     dense, moe = CheckpointReader(src), CheckpointReader(tmp_path / "moe")
-    width = 96 // (3 + shared)
+    width = 96 // (experts + shared)
     for layer in report["layers"]:
         i = layer["layer"]
-        part = Partition(torch.tensor(layer["perm"]), layer["shared_neurons"], 3, width)
+        part = Partition(torch.tensor(layer["perm"]), layer["shared_neurons"], experts, width)
         tensors = {n: moe.get(n) for n in moe.tensors if n.startswith(f"model.layers.{i}.")}
         assert all(t.dtype == torch.bfloat16 for t in tensors.values())
         g, u, d = unpermute_ffn(tensors, part, fmt, i, cfg)
@@ -238,3 +240,32 @@ def test_pad_experts_to_must_be_a_multiple_of_8():
     for bad in (0, 100, -8):
         with pytest.raises(MoeifyError, match=f"--pad-experts-to must be a positive multiple of 8, got {bad}"):
             build_config(pad_experts_to=bad)
+
+
+def test_qwen2_moe_output_means_the_same_to_llamacpp(tmp_path, monkeypatch):
+    """llama.cpp's qwen2moe graph (every version through the one in llama-cpp-python 0.3.36) never renormalises the
+    top-k weights, whatever norm_topk_prob says, and computes the shared-expert gate's sigmoid as silu(z)/z, which is
+    NaN at z = 0. The Qwen2-MoE output must give the same logits under those semantics as under transformers' (it
+    gave NaN, and with top_k < N every routed expert scaled by k/N, when it wrote norm_topk_prob true and a zero gate)."""
+    from transformers.models.qwen2_moe import modeling_qwen2_moe
+
+    from moeify.router import SHARED_GATE_MIN
+
+    src = build_dense(tmp_path / "dense")
+    report = convert(src, tmp_path / "moe", experts=4, top_k=2, shared=2, format="qwen2_moe", gate_tolerance=1e-3)
+    assert read_json(tmp_path / "moe" / "config.json")["norm_topk_prob"] is False
+    gate = CheckpointReader(tmp_path / "moe").get("model.layers.0.mlp.shared_expert_gate.weight")
+    c = report["layers"][0]["shared_gate"]
+    assert torch.equal(gate, torch.full_like(gate, c)) and c >= SHARED_GATE_MIN and math.log2(c).is_integer()
+    assert torch.tensor(c, dtype=torch.float16).item() == c  # survives a float16 GGUF
+    model = load(tmp_path / "moe")[0]
+    ids = torch.randint(0, 384, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids).logits
+        for module in model.modules():  # llama.cpp: no renormalisation, sigmoid(z) = silu(z) / z
+            if hasattr(module, "norm_topk_prob"):
+                module.norm_topk_prob = False
+        monkeypatch.setattr(modeling_qwen2_moe.F, "sigmoid", lambda z: torch.nn.functional.silu(z) / z)
+        got = model(ids).logits
+    assert torch.isfinite(got).all()
+    assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
