@@ -173,7 +173,7 @@ def convert(
     calib_feed: Optional[str] = typer.Option(None, help="Next layer's calibration input: dense (the dense layer's "
                                              "output) | moe (the carved layer's output) | corrected (the carved "
                                              "output, and each layer is fitted to restore the dense model's hidden "
-                                             "states, correcting earlier layers' error) [default: dense]."),
+                                             "states, correcting earlier layers' error) [default: corrected]."),
     tune_epochs: Optional[int] = typer.Option(None, help="Tune each carved layer after carving: this many passes of "
                                               "Adam over the calibration tokens on its experts' gate/up/down, towards "
                                               "the dense output (needs --calib; 0 = off) [default: 0]."),

@@ -13,8 +13,9 @@ from .errors import MoeifyError
 METHODS = ("contiguous", "random", "gate-cluster", "activation", "coactivation")
 ROUTERS = ("mean-gate", "representative", "fitted")
 CALIB_METHODS = ("activation", "coactivation")  # need calibration data
-# Chosen by scripts/bench_quality.py (BENCHMARKS.md): the defaults when --calib is given without --method/--router.
-CALIBRATED_DEFAULTS = {"method": "activation", "router": "fitted", "compensate": True}
+# Chosen by scripts/bench_quality.py (BENCHMARKS.md): the defaults of a calibrated conversion (with --calib, or the
+# bundled sample) for whatever the flags do not set. The corrected feed was chosen on the real model (SmolLM2).
+CALIBRATED_DEFAULTS = {"method": "activation", "router": "fitted", "compensate": True, "calib_feed": "corrected"}
 BUNDLED_CALIB = Path(__file__).resolve().parent / "data" / "calib_sample.txt"  # see moeify/data/README.md
 FEEDS = ("dense", "moe", "corrected")
 TUNE_SCOPES = ("layer", "model")
