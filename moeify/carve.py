@@ -29,13 +29,9 @@ class CarvedLayer:
     tuned: tuple[str, ...] = ()  # which of gate/up/down were tuned
     metrics: dict = field(default_factory=dict)
 
-    @property
-    def replaced(self) -> tuple[str, ...]:
-        return tuple(sorted(set(self.weights) | set(self.spilled)))
-
     def report(self) -> dict:
         return {"expert_sizes": [self.part.expert_width] * self.part.n_experts, "shared_neurons": self.part.n_shared,
-                "router_scale": self.scale, "compensated": "down" in self.replaced, "tuned": list(self.tuned),
+                "router_scale": self.scale, "compensated": "refit_ridge" in self.metrics, "tuned": list(self.tuned),
                 "perm_sha256": perm_hash(self.part.perm), "perm": self.part.perm.tolist(), **self.metrics}
 
 
