@@ -187,6 +187,10 @@ def main(argv=None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     cfg = json.loads((a.src / "config.json").read_text())
     label = a.label or a.src.name
+    if a.preset:  # the header names the preset's experts, not the --experts/--top-k defaults
+        from moeify.config import load_preset
+
+        a.experts, a.top_k = (load_preset(a.preset).get(k, v) for k, v in (("experts", a.experts), ("top_k", a.top_k)))
     fwd = run_phase("forward", a)
     print(f"forward: {fwd['seconds']:.1f} s, peak RSS {gb(fwd['peak_rss'])} GB", flush=True)
     runs = {}
