@@ -5,6 +5,7 @@ Only this module touches both the reader and the writer.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import json
@@ -270,8 +271,7 @@ def _tune_model(plan: ConversionPlan, carved: dict[int, CarvedLayer], tmp: Path,
     except OSError as exc:
         raise MoeifyError(f"--tune-scope model cannot load {src.path} ({exc.__class__.__name__})",
                           "whole-model tuning needs safetensors weights; use --tune-scope layer") from None
-    student = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32, local_files_only=True,
-                                                   use_safetensors=True, trust_remote_code=False).to(device).eval()
+    student = copy.deepcopy(teacher)  # the same weights, without reading the checkpoint a second time
     for i, layer in carved.items():
         if i in cfg.dense_layers:
             continue
