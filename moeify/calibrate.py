@@ -50,6 +50,27 @@ def read_texts(files: list[str | Path]) -> str:
     return text
 
 
+def source_tokenizer(src_path: Path):
+    """The checkpoint's own tokenizer (local files only, no remote code)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(src_path), local_files_only=True, trust_remote_code=False)
+    except Exception as exc:  # noqa: BLE001 - transformers raises many types for a missing tokenizer
+        raise MoeifyError(f"{src_path} has no usable tokenizer ({exc.__class__.__name__})",
+                          "calibration needs the checkpoint's tokenizer files (tokenizer.json): copy them into it, or "
+                          "pass --weight-only to carve from the weights alone") from None
+
+
+def text_windows(src_path: Path, files: list[str | Path], seq_len: int) -> torch.Tensor:
+    """Every whole window of seq_len tokens of the files' text, (n, seq_len) (possibly n = 0)."""
+    from .evaluate import encode_text
+
+    ids = encode_text(source_tokenizer(src_path), read_texts(files), add_special_tokens=False)
+    n = len(ids) // seq_len
+    return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
 def calibration_tokens(src_path: Path, files: list[str | Path], n_tokens: int,
                        seq_len: int) -> tuple[torch.Tensor, int]:
     """Tokenize with the checkpoint's own tokenizer; return ((n_seq, seq_len) windows covering n_tokens, the
@@ -57,18 +78,11 @@ def calibration_tokens(src_path: Path, files: list[str | Path], n_tokens: int,
 
     n_tokens 0 (no --calib-tokens): as many whole windows as the text fills, up to CALIB_TOKENS_CAP tokens.
     An explicit n_tokens larger than the text is an error."""
-    from transformers import AutoTokenizer
-
     from .config import CALIB_TOKENS_CAP
     from .evaluate import encode_text
 
     text = read_texts(files)
-    try:
-        tok = AutoTokenizer.from_pretrained(str(src_path), local_files_only=True, trust_remote_code=False)
-    except Exception as exc:  # noqa: BLE001 - transformers raises many types for a missing tokenizer
-        raise MoeifyError(f"{src_path} has no usable tokenizer ({exc.__class__.__name__})",
-                          "calibration needs the checkpoint's tokenizer files (tokenizer.json)") from None
-    ids = encode_text(tok, text, add_special_tokens=False)
+    ids = encode_text(source_tokenizer(src_path), text, add_special_tokens=False)
     if n_tokens and n_tokens < seq_len:
         raise MoeifyError(f"--calib-tokens {n_tokens} is less than one window of --calib-seq-len {seq_len}")
     n_seq = (n_tokens or min(len(ids), CALIB_TOKENS_CAP)) // seq_len

@@ -98,7 +98,7 @@ def carve_calibrated(x: torch.Tensor, gate, up, down, norm_weight, cfg, stats=No
         metrics.update(refit_ridge=info["ridge"], rel_error_before=info["holdout_rel_error_before"],
                        rel_error_after=info["holdout_rel_error_after"])
     tuned = ()
-    if cfg.tune_epochs > 0 and cfg.tune_scope == "layer" and cfg.top_k < cfg.experts:
+    if cfg.tune_epochs > 0 and cfg.top_k < cfg.experts:
         settings = TuneSettings(epochs=cfg.tune_epochs, lr=cfg.tune_lr, seed=cfg.seed)
         tuned = ("gate", "up", "down")
         new, info = tune_layer(x, y, routing_mask(scores, part, cfg.top_k), gate, up, weights.get("down", down),

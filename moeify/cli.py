@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -31,10 +32,10 @@ def _stage_callback(bar: Progress):
     """A progress callback (stage, done, total) that shows one bar per stage."""
     tasks: dict[str, int] = {}
 
-    def on_progress(stage: str, done: int, total: int) -> None:
+    def on_progress(stage: str, done: int, total: int, note: str = "") -> None:
         if stage not in tasks:
             tasks[stage] = bar.add_task(stage, total=total)
-        bar.update(tasks[stage], completed=done)
+        bar.update(tasks[stage], completed=done, description=f"{stage} ({note})" if note else stage)
 
     return on_progress
 
@@ -174,14 +175,28 @@ def convert(
                                              "output) | moe (the carved layer's output) | corrected (the carved "
                                              "output, and each layer is fitted to restore the dense model's hidden "
                                              "states, correcting earlier layers' error) [default: corrected]."),
-    tune_epochs: Optional[int] = typer.Option(None, help="Tune each carved layer after carving: this many passes of "
-                                              "Adam over the calibration tokens on its experts' gate/up/down, towards "
-                                              "the dense output (needs --calib; 0 = off) [default: 0]."),
-    tune_lr: Optional[float] = typer.Option(None, help="Tuning step size, relative to each weight's RMS [default: 0.01]."),
-    tune_scope: Optional[str] = typer.Option(None, help="layer: each carved FFN towards its target output on cached "
-                                             "inputs (one layer resident) | model: distil the whole carved model "
-                                             "towards the dense model's logits (two model copies on --device) "
-                                             "[default: layer]."),
+    tune_tokens: Optional[int] = typer.Option(None, help="Recovery tuning: distil the carved experts and routers "
+                                              "towards the dense model's next-token distributions on this many "
+                                              "fresh tokens (your --calib text, the bundled broad sample and text "
+                                              "the dense model samples itself); teacher and student on --device. "
+                                              "About 4-8 CPU seconds per 1,024 tokens for a 135M model; use a GPU "
+                                              "for 7B+ (0 = off) [default: the preset's, else 0]."),
+    no_tune: bool = typer.Option(False, "--no-tune", help="Turn tuning off (a preset's --tune-tokens and "
+                                 "--tune-epochs): the training-free carve only."),
+    tune_generated: Optional[float] = typer.Option(None, help="Share of the tuning tokens sampled from the dense "
+                                                   "model itself (label-free: what the teacher knows is what the "
+                                                   "student is taught) [default: 0.5]."),
+    tune_text: Optional[list[Path]] = typer.Option(None, "--tune-text", help="More tuning text (.txt/.jsonl) besides "
+                                                   "--calib and the bundled sample; repeatable."),
+    tune_router: Optional[bool] = typer.Option(None, "--tune-router/--freeze-router", help="Also train the routers "
+                                               "(exported as plain Mixtral / Qwen2-MoE routers) [default: on]."),
+    tune_model_lr: Optional[float] = typer.Option(None, help="Recovery tuning step size, relative to each weight's "
+                                                  "RMS [default: 0.003]."),
+    tune_epochs: Optional[int] = typer.Option(None, help="Layer-local tuning after carving: this many passes of Adam "
+                                              "over the calibration tokens on each layer's experts, towards its "
+                                              "target output (weak: see BENCHMARKS.md; 0 = off) [default: 0]."),
+    tune_lr: Optional[float] = typer.Option(None, help="Layer-local tuning step size, relative to each weight's RMS "
+                                            "[default: 0.01]."),
     compensate: Optional[bool] = typer.Option(None, "--compensate/--no-compensate", help="Refit down_proj by ridge "
                                               "least squares under the actual routing [default: on with --calib]."),
     stats: Optional[Path] = typer.Option(None, help="Reuse neuron statistics (OUT/calibration/stats.safetensors of an "
@@ -190,6 +205,11 @@ def convert(
                                          "run: auto (a GPU if there is one) | cpu | cuda [default: auto]."),
     preset: Optional[Path] = typer.Option(None, help="TOML preset (e.g. configs/active-50.toml); flags override "
                                           "it."),
+    target: Optional[list[str]] = typer.Option(None, "--target", help="A serving engine the output must run in: "
+                                               "transformers | vllm | llama.cpp (repeatable, or comma-separated); "
+                                               "convert refuses a layout a target cannot run. The presets name all "
+                                               "three [default: none: only warnings]."),
+    force: bool = typer.Option(False, "--force", help="Write a layout that a --target engine cannot run."),
     allow_pickle: bool = typer.Option(False, help="Read pytorch_model*.bin weights when SRC has no safetensors, with "
                                       "torch.load(weights_only=True) (tensors only, no code runs)."),
     allow_nonfinite: bool = typer.Option(False, help="Convert tensors that contain NaN/Inf (with a warning) instead "
@@ -221,12 +241,17 @@ def convert(
                            untie_embeddings=untie_embeddings, calib=calib, calib_tokens=calib_tokens,
                            calib_seq_len=calib_seq_len, calib_feed=calib_feed, compensate=compensate,
                            stats=str(stats) if stats else None, device=device, tune_epochs=tune_epochs,
-                           tune_lr=tune_lr, tune_scope=tune_scope)
+                           tune_lr=tune_lr, tune_tokens=0 if no_tune else tune_tokens,
+                           tune_generated=tune_generated, tune_text=tune_text, tune_router=tune_router,
+                           tune_model_lr=tune_model_lr,
+                           targets=None if target is None else ",".join(target))
+        if no_tune:
+            cfg = dataclasses.replace(cfg, tune_epochs=0)
         if eval_data:  # a bad --eval file fails before the conversion, not after it
             from .evaluate import read_text
 
             read_text(eval_data)
-        plan = plan_conversion(src, cfg, allow_pickle=allow_pickle, allow_nonfinite=allow_nonfinite)
+        plan = plan_conversion(src, cfg, allow_pickle=allow_pickle, allow_nonfinite=allow_nonfinite, force=force)
         tables = _tables(json_dest)
         print_plan(tables, plan, out)
         if dry_run:

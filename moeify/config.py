@@ -18,7 +18,6 @@ CALIB_METHODS = ("activation", "coactivation")  # need calibration data
 CALIBRATED_DEFAULTS = {"method": "activation", "router": "fitted", "compensate": True, "calib_feed": "corrected"}
 BUNDLED_CALIB = Path(__file__).resolve().parent / "data" / "calib_sample.txt"  # see moeify/data/README.md
 FEEDS = ("dense", "moe", "corrected")
-TUNE_SCOPES = ("layer", "model")
 DEVICES = ("auto", "cpu", "cuda")
 FORMATS = ("auto", "mixtral", "qwen2_moe")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -41,6 +40,7 @@ class ConvertConfig:
     max_shard_bytes: int = 5_000_000_000
     pad_experts_to: int = 8  # zero-pad every routed expert's width to a multiple of this (exact; 128/256 for quantized serving)
     untie_embeddings: bool = False  # write an explicit lm_head copy for tied sources
+    targets: tuple[str, ...] = ()  # serving engines the output must run in (convert refuses layouts they cannot load)
     dense_auto: int = 0  # keep this many most-sensitive layers dense (measured on calibration data)
     # calibration
     calib: tuple[str, ...] = ()  # .txt / .jsonl files
@@ -51,15 +51,20 @@ class ConvertConfig:
     compensate: bool = False  # ridge refit of down_proj under the actual routing
     stats: str = ""  # reuse neuron statistics saved by an earlier calibrated conversion
     device: str = "auto"
-    # tuning (layer-local distillation of the carved experts after the training-free carve; needs calibration)
-    tune_epochs: int = 0  # passes over the calibration tokens; 0 = no tuning
-    tune_scope: str = "layer"  # layer: each FFN towards its target on cached inputs; model: logit distillation
+    # layer-local tuning (each carved FFN towards its target output on its cached calibration inputs)
+    tune_epochs: int = 0  # passes over the calibration tokens; 0 = off
     tune_lr: float = 0.01  # Adam step size relative to each tensor's RMS
+    # whole-model distillation towards the dense model's next-token distributions (moeify/distill.py)
+    tune_tokens: int = 0  # training tokens (fresh windows of the tuning text); 0 = off
+    tune_model_lr: float = 0.003  # Adam step size relative to each tensor's RMS
+    tune_router: bool = True  # also train the routers (and their temperature)
+    tune_generated: float = 0.5  # share of the tuning windows sampled from the dense model itself
+    tune_text: tuple[str, ...] = ()  # extra tuning text besides --calib and the bundled broad sample
 
     @property
     def needs_calibration(self) -> bool:
         return (self.method in CALIB_METHODS or self.router == "fitted" or self.compensate or self.dense_auto > 0
-                or self.tune_epochs > 0)
+                or self.tune_epochs > 0 or self.tune_tokens > 0)
 
     def resolved_format(self) -> str:
         if self.format != "auto":
@@ -69,18 +74,18 @@ class ConvertConfig:
     def validate(self) -> None:
         """Checks that need no checkpoint. Checkpoint-dependent checks live in convert.plan_conversion."""
         for name in ("experts", "top_k", "shared", "seed", "kmeans_iters", "max_shard_bytes", "calib_tokens",
-                     "calib_seq_len", "dense_auto", "tune_epochs", "pad_experts_to"):
+                     "calib_seq_len", "dense_auto", "tune_epochs", "pad_experts_to", "tune_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise MoeifyError(f"--{_flag(name)} must be an integer, got {value!r}")
-        for name in ("gate_tolerance", "tune_lr"):
+        for name in ("gate_tolerance", "tune_lr", "tune_model_lr", "tune_generated"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise MoeifyError(f"--{_flag(name)} must be a number, got {value!r}")
-        for name in ("untie_embeddings", "compensate"):
+        for name in ("untie_embeddings", "compensate", "tune_router"):
             if not isinstance(getattr(self, name), bool):
                 raise MoeifyError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if not isinstance(self.stats, str) or not all(isinstance(f, str) for f in self.calib):
+        if not isinstance(self.stats, str) or not all(isinstance(f, str) for f in (*self.calib, *self.tune_text)):
             raise MoeifyError(f"calib must be a list of file names and stats a file name, got {self.calib!r}, {self.stats!r}")
         if self.experts < 1:
             raise MoeifyError(f"--experts must be ≥ 1, got {self.experts}")
@@ -100,17 +105,20 @@ class ConvertConfig:
             raise MoeifyError(f"--max-shard-size must be positive, got {self.max_shard_bytes} bytes")
         if not (0.0 < self.gate_tolerance < 1.0):
             raise MoeifyError(f"--gate-tolerance must be in (0, 1), got {self.gate_tolerance}")
+        from .engines import ENGINES
+
+        for t in self.targets:
+            _check_choice("target", t, ENGINES)
         _check_choice("method", self.method, METHODS)
         _check_choice("router", self.router, ROUTERS)
         _check_choice("format", self.format, FORMATS)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("calib_feed", self.calib_feed, FEEDS)
         _check_choice("device", self.device, DEVICES)
-        _check_choice("tune_scope", self.tune_scope, TUNE_SCOPES)
         if self.needs_calibration and not self.calib:
             what = ("--method " + self.method if self.method in CALIB_METHODS else "--router fitted"
                     if self.router == "fitted" else "--compensate" if self.compensate else "--tune-epochs"
-                    if self.tune_epochs else "--dense-layers auto:M")
+                    if self.tune_epochs else "--tune-tokens" if self.tune_tokens else "--dense-layers auto:M")
             raise MoeifyError(f"{what} needs calibration data", "pass --calib FILE (.txt or .jsonl)")
         if self.calib_tokens < 0 or self.calib_seq_len < 2:
             raise MoeifyError("--calib-tokens must be ≥ 1 (0: all the text, up to 65,536) and --calib-seq-len ≥ 2")
@@ -118,6 +126,14 @@ class ConvertConfig:
             raise MoeifyError(f"--tune-epochs must be ≥ 0, got {self.tune_epochs}")
         if not 0.0 < self.tune_lr < 1.0:
             raise MoeifyError(f"--tune-lr must be in (0, 1) (a step size relative to each weight's RMS), got {self.tune_lr}")
+        if self.tune_tokens < 0:
+            raise MoeifyError(f"--tune-tokens must be ≥ 0 (0: no whole-model tuning), got {self.tune_tokens}")
+        if not 0.0 < self.tune_model_lr < 1.0:
+            raise MoeifyError(f"--tune-model-lr must be in (0, 1) (a step size relative to each weight's RMS), "
+                              f"got {self.tune_model_lr}")
+        if not 0.0 <= self.tune_generated < 1.0:
+            raise MoeifyError(f"--tune-generated must be in [0, 1) (the share of tuning windows the dense model "
+                              f"samples itself), got {self.tune_generated}")
         if self.dense_auto < 0:
             raise MoeifyError(f"--dense-layers auto:M needs M ≥ 0, got {self.dense_auto}")
         if any((not isinstance(i, int)) or i < 0 for i in self.dense_layers):
@@ -189,6 +205,14 @@ def build_config(preset: str | Path | None = None, default_calib: bool = False, 
         values["calib"] = (str(BUNDLED_CALIB),)
     if isinstance(values.get("calib"), (str, Path)):
         values["calib"] = (values["calib"],)  # calib = "file.txt" in a preset
+    if isinstance(values.get("targets"), str):
+        values["targets"] = tuple(t.strip() for t in values["targets"].split(",") if t.strip())
+    if values.get("targets") is not None:
+        values["targets"] = tuple(values["targets"])
+    if isinstance(values.get("tune_text"), (str, Path)):
+        values["tune_text"] = (values["tune_text"],)
+    if values.get("tune_text") is not None:
+        values["tune_text"] = tuple(str(f) for f in values["tune_text"])
     if values.get("calib"):
         values["calib"] = tuple(str(f) for f in values["calib"])
         for key, value in CALIBRATED_DEFAULTS.items():

@@ -57,6 +57,16 @@ class ConversionPlan:
     def output_bytes(self) -> int:
         return self.layout.total_bytes()
 
+    @property
+    def engine_notes(self):
+        """What transformers, vLLM and llama.cpp say of this layout (moeify.engines)."""
+        from .engines import engine_notes
+
+        s = self.src
+        n_dense = len(self.cfg.dense_layers) or self.cfg.dense_auto
+        return engine_notes(self.fmt, self.cfg.top_k, self.cfg.experts, self.shared_width, self.padded_width,
+                            self.tied_out, n_dense, s.head_dim, s.hidden, s.heads)
+
     def summary(self) -> dict:
         """The plan as `convert --dry-run --json` writes it: settings, widths, budget, output size, serving fit."""
         from .plan import serving_json
@@ -67,15 +77,18 @@ class ConversionPlan:
                 "expert_width": self.expert_width, "padded_expert_width": self.padded_width,
                 "shared_width": self.shared_width, "total_params": b.total_params, "active_params": b.active_params,
                 "ffn_flops_ratio": b.flops_ratio, "output_bytes": self.output_bytes, "shards": len(self.layout.files),
-                "serving": serving_json(self.padded_width)}
+                "serving": serving_json(self.padded_width),
+                "engines": [{"engine": n.engine, "fails": n.fails, "what": n.what, "fix": n.fix}
+                            for n in self.engine_notes]}
 
 
 def plan_conversion(src_path: str | Path, cfg: ConvertConfig, *, allow_pickle: bool = False,
-                    allow_nonfinite: bool = False) -> ConversionPlan:
+                    allow_nonfinite: bool = False, force: bool = False) -> ConversionPlan:
     """Read config and shard headers only; check everything that can be checked before heavy work.
 
     allow_pickle: read pytorch_model*.bin weights (torch.load(weights_only=True)) when there are no safetensors.
     allow_nonfinite: convert tensors with NaN/Inf (recorded in plan.reader.nonfinite) instead of refusing them.
+    force: plan a layout that an engine named in cfg.targets cannot run (otherwise an error).
     """
     cfg.validate()
     src = load_source(src_path)
@@ -100,7 +113,15 @@ def plan_conversion(src_path: str | Path, cfg: ConvertConfig, *, allow_pickle: b
         raise MoeifyError("--dense-layers lists every layer: nothing would be converted")
 
     out_dtype = DTYPE_NAMES[cfg.dtype] if cfg.dtype != "auto" else reader.tensors["model.embed_tokens.weight"].dtype
-    return _derive_plan(src, reader, cfg, fmt, width, out_dtype)
+    plan = _derive_plan(src, reader, cfg, fmt, width, out_dtype)
+    from .engines import blocking
+
+    stop = blocking(plan.engine_notes, cfg.targets)
+    if stop and not force:
+        n = stop[0]
+        raise MoeifyError(f"--target {n.engine}: {n.engine} cannot run this layout: {n.what}",
+                          f"{n.fix}; or pass --force to write it anyway")
+    return plan
 
 
 def _derive_plan(src: SourceModel, reader: CheckpointReader, cfg: ConvertConfig, fmt: str, width: int,
@@ -229,7 +250,7 @@ def run_conversion(plan: ConversionPlan, out: str | Path, *, overwrite: bool = F
             carved, calib_info, tokens = calibrate_and_carve(plan, tmp, progress)
             if plan.cfg.dense_auto:
                 plan = with_dense_layers(plan, calib_info["dense_layers"])
-            if plan.cfg.tune_epochs and plan.cfg.tune_scope == "model" and plan.cfg.top_k < plan.cfg.experts:
+            if plan.cfg.tune_tokens and plan.cfg.top_k < plan.cfg.experts:
                 calib_info["tuning"] = _tune_model(plan, carved, tmp, tokens, progress)
         writer = BackgroundWriter(ShardWriter(tmp, plan.layout), max_pending=WRITE_AHEAD_BYTES)
         layers_report = _write_tensors(plan, writer, carved, tmp, progress)
@@ -252,16 +273,16 @@ def run_conversion(plan: ConversionPlan, out: str | Path, *, overwrite: bool = F
 WRITE_AHEAD_BYTES = 512 << 20  # output bytes queued for the writer thread while the next layer is carved
 
 
-def _tune_model(plan: ConversionPlan, carved: dict[int, CarvedLayer], tmp: Path, tokens: torch.Tensor,
+def _tune_model(plan: ConversionPlan, carved: dict[int, CarvedLayer], tmp: Path, calib_windows: torch.Tensor,
                 progress: Progress | None) -> dict:
-    """Whole-model tuning (--tune-scope model): the carved layers' expert weights are distilled towards the dense
-    model's logits on the calibration windows (moeify.tune.distill_model), then spilled like the refit weights.
-    Holds the dense model twice (teacher and student) on --device: for 7B+ models that needs a GPU."""
+    """Whole-model tuning (--tune-tokens): the carved layers' expert weights and routers are distilled towards the
+    dense model's next-token distributions on a stream of fresh tokens (moeify.distill), then spilled like the
+    refit weights. Holds the model twice (teacher and student) on --device: for 7B+ models that needs a GPU."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
+    from .distill import DistillSettings, MaskedMoE, distill, sample_text
     from .numerics import resolve_device
-    from .tune import MaskedMoE, TuneSettings, distill_model
 
     cfg, src, reader = plan.cfg, plan.src, plan.reader
     device = resolve_device(cfg.device)
@@ -269,8 +290,8 @@ def _tune_model(plan: ConversionPlan, carved: dict[int, CarvedLayer], tmp: Path,
         teacher = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32, local_files_only=True,
                                                        use_safetensors=True, trust_remote_code=False).to(device).eval()
     except OSError as exc:
-        raise MoeifyError(f"--tune-scope model cannot load {src.path} ({exc.__class__.__name__})",
-                          "whole-model tuning needs safetensors weights; use --tune-scope layer") from None
+        raise MoeifyError(f"--tune-tokens cannot load {src.path} ({exc.__class__.__name__})",
+                          "whole-model tuning needs safetensors weights; use --tune-tokens 0") from None
     student = copy.deepcopy(teacher)  # the same weights, without reading the checkpoint a second time
     for i, layer in carved.items():
         if i in cfg.dense_layers:
@@ -278,16 +299,65 @@ def _tune_model(plan: ConversionPlan, carved: dict[int, CarvedLayer], tmp: Path,
         p = f"model.layers.{i}.mlp."
         spilled = load_file(str(tmp / SPILL_DIR / f"{i}.safetensors")) if layer.spilled else {}
         gate, up, down = (spilled.get(k, reader.get(p + f"{k}_proj.weight")) for k in ("gate", "up", "down"))
-        student.model.layers[i].mlp = MaskedMoE(gate, up, down, layer.router, layer.part.labels(), cfg.top_k).to(device)
-    settings = TuneSettings(epochs=cfg.tune_epochs, lr=cfg.tune_lr, seed=cfg.seed)
-    info = distill_model(teacher, student, tokens, settings, progress=progress)
+        c = shared_gate_value(reader.get(f"model.layers.{i}.post_attention_layernorm.weight"), cfg.gate_tolerance)
+        student.model.layers[i].mlp = MaskedMoE(gate, up, down, layer.router, layer.scale, layer.part.labels(),
+                                                cfg.top_k, plan.fmt, c if plan.fmt == "qwen2_moe" else None).to(device)
+    train, held, text = tuning_windows(plan, calib_windows, teacher, progress)
+    settings = DistillSettings(tokens=cfg.tune_tokens, lr=cfg.tune_model_lr, train_router=cfg.tune_router,
+                               seed=cfg.seed)
+    info = distill(teacher, student, train, held, settings, progress=progress)
     for i, layer in carved.items():
         mlp = student.model.layers[i].mlp
         if isinstance(mlp, MaskedMoE):
             save_file({k: getattr(mlp, k).detach().to(plan.out_dtype).contiguous().cpu() for k in ("gate", "up", "down")},
                       str(tmp / SPILL_DIR / f"{i}.safetensors"))
             layer.spilled, layer.tuned = ("down", "gate", "up"), ("gate", "up", "down")
-    return {"scope": "model", "epochs": cfg.tune_epochs, "lr": cfg.tune_lr, **info}
+            if cfg.tune_router:  # the trained router rows with their scale folded in
+                layer.router, layer.scale = mlp.exported_router().cpu(), 1.0
+                layer.tuned = layer.tuned + ("router",)
+    return {"scope": "model", "lr": cfg.tune_model_lr, "text": text, **info}
+
+
+def tuning_windows(plan: ConversionPlan, calib_windows: torch.Tensor, teacher, progress) -> tuple:
+    """The tuning text: every window of the --calib text(s) and --tune-text, the bundled broad sample, and
+    windows the dense model samples itself (--tune-generated of the budget, never repeated). The last windows of
+    each real text (after the calibration windows) and a few sampled ones are held out for early stopping.
+    Returns (train windows, held-out windows, a description of the mix)."""
+    from .calibrate import text_windows
+    from .config import BUNDLED_CALIB
+    from .distill import sample_text
+
+    cfg, src = plan.cfg, plan.src
+    seq = calib_windows.shape[1]
+    sources = [("calib", list(cfg.calib), calib_windows.shape[0])]
+    if cfg.tune_text:
+        sources.append(("tune_text", list(cfg.tune_text), 0))
+    if str(BUNDLED_CALIB) not in cfg.calib:
+        sources.append(("bundled", [BUNDLED_CALIB], 0))
+    train, held, text = [], [], {}
+    for name, files, used in sources:
+        w = text_windows(src.path, files, seq)
+        n_hold = min(4, max(0, (w.shape[0] - used) // 5))  # only windows the carve never saw
+        train.append(w[: w.shape[0] - n_hold])
+        held.append(w[w.shape[0] - n_hold:])
+        text[name] = {"files": [str(f) for f in files], "windows": int(w.shape[0]), "held_out": n_hold}
+    real = torch.cat(train)
+    n_gen = round(cfg.tune_generated * cfg.tune_tokens / seq)
+    if n_gen:
+        n_prompt = min(16, seq // 4)
+        gen = torch.Generator().manual_seed(cfg.seed + 1)
+        n_hold_gen = min(2, max(1, n_gen // 10))
+        starts = real[torch.randint(real.shape[0], (n_gen + n_hold_gen,), generator=gen)]
+        offs = torch.randint(seq - n_prompt + 1, (starts.shape[0],), generator=gen)
+        prompts = torch.stack([w[o:o + n_prompt] for w, o in zip(starts, offs)])
+        sampled = sample_text(teacher, prompts, seq - n_prompt, cfg.seed, progress=progress)
+        train.append(sampled[n_hold_gen:])
+        held.append(sampled[:n_hold_gen])
+        text["generated"] = {"windows": int(sampled.shape[0]), "held_out": n_hold_gen, "prompt_tokens": n_prompt}
+    held_out = torch.cat(held)
+    if held_out.shape[0] == 0:  # tiny texts: hold out the last training window rather than nothing
+        held_out, train[0] = train[0][-1:], train[0][:-1]
+    return torch.cat(train), held_out, text
 
 
 def _write_tensors(plan: ConversionPlan, writer: ShardWriter, carved: dict[int, CarvedLayer], tmp: Path,

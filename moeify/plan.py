@@ -64,7 +64,20 @@ class MoePlan:
                 "active_ratio": r.budget.active_ratio, "flops_ratio": r.budget.flops_ratio,
                 "serving": serving_json(padded_width(r.expert_width)),
             } for r in self.regimes],
+            "engines": [{"engine": n.engine, "fails": n.fails, "what": n.what, "fix": n.fix}
+                        for n in self.engine_notes()],
         }
+
+    def engine_notes(self):
+        """What transformers, vLLM and llama.cpp say of the layout `convert` carves (the inference-saving regime),
+        written as convert's default would (Mixtral, or Qwen2-MoE with a shared expert and untied embeddings)."""
+        from .engines import engine_notes
+
+        s = self.src
+        width = s.d_ff // (self.experts + self.shared)
+        fmt = "qwen2_moe" if self.shared else "mixtral"
+        return engine_notes(fmt, self.top_k, self.experts, self.shared * width, padded_width(width), False, 0,
+                            s.head_dim, s.hidden, s.heads)
 
 
 def read_source_config(path: str | Path) -> SourceModel:

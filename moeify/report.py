@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .config import CALIB_TOKENS_CAP
@@ -132,7 +133,11 @@ def print_plan(console: Console, plan, out: Path) -> None:
                 else f"{len(cfg.calib)} file(s)")
         t.add_row("calibration", f"{tokens} of {text}, windows of {seq_len}; feed: {cfg.calib_feed}")
         if cfg.tune_epochs:
-            t.add_row("tuning", f"{cfg.tune_scope}, {cfg.tune_epochs} epoch(s), step {cfg.tune_lr:g} × weight RMS")
+            t.add_row("layer tuning", f"{cfg.tune_epochs} epoch(s), step {cfg.tune_lr:g} × weight RMS")
+        if cfg.tune_tokens and cfg.top_k < cfg.experts:
+            what = "experts + routers" if cfg.tune_router else "experts"
+            t.add_row("tuning", f"distil {what} to the dense model on {cfg.tune_tokens:,} tokens "
+                      f"({cfg.tune_generated:.0%} self-generated); --tune-tokens 0: off")
     if cfg.dense_layers:
         t.add_row("dense layers", ", ".join(map(str, cfg.dense_layers)))
     t.add_row("total params", f"{human_count(b.total_params)} ({b.total_ratio:.3f}× dense)")
@@ -143,6 +148,14 @@ def print_plan(console: Console, plan, out: Path) -> None:
         t.add_row(rule.name, _fit_text(plan.padded_width, rule, tp))
     console.print(t)
     _print_serving_advice(console, src.d_ff, cfg.experts, cfg.shared, plan.padded_width)
+    print_engine_notes(console, plan.engine_notes, cfg.targets)
+
+
+def print_engine_notes(console: Console, notes, targets=()) -> None:
+    """One line per engine that will not run the layout, or will run it slowly, with the fix."""
+    for n in notes:
+        style = "bold red" if n.fails and n.engine in targets else "yellow" if n.fails else "dim"
+        console.print(f"[{style}]{escape(n.line())}[/]", soft_wrap=True, highlight=False)
 
 
 def _fit_text(width: int, rule, tp: int) -> str:
@@ -175,6 +188,12 @@ def print_result(console: Console, report: dict, out: Path) -> None:
                   f"({report['format']}, {len(report['layers'])} layers)", soft_wrap=True)
     if report.get("calibration"):
         console.print(calibration_summary(report["calibration"]), soft_wrap=True)
+        tuning = report["calibration"].get("tuning")
+        if tuning and tuning.get("scope") == "model":
+            console.print(f"tuned on {tuning['tokens']:,} tokens ({tuning['steps']} steps, {tuning['passes']:.2f} "
+                          f"passes over {tuning['train_windows']} windows) in {tuning['seconds']:.0f}s: held-out KL "
+                          f"to dense {tuning['holdout_kl_before']:.3f} → {tuning['holdout_kl_after']:.3f} (training "
+                          f"{tuning['train_kl_end']:.3f})", soft_wrap=True)
 
 
 # ------------------------------------------------------------------------------------------- plan / inspect
@@ -211,6 +230,7 @@ def print_moe_plan(console: Console, plan) -> None:
                          ["stored width"] + [rule.name for rule in SERVING_RULES], rows))
     console.print("[dim]yes: the width is a multiple of the block size (llama.cpp 256; vLLM 128 per GPU, up to the "
                   "TP shown); no: llama.cpp falls back to another quant type, vLLM refuses or uses a slower path[/]")
+    print_engine_notes(console, plan.engine_notes())
     carve = next(r for r in plan.regimes if r.name == "inference saving")
     _print_serving_advice(console, s.d_ff, plan.experts, plan.shared, padded_width(carve.expert_width))
 

@@ -395,7 +395,8 @@ def _check_moe_layer(layout: MoeLayout, reader: CheckpointReader, i: int, entry:
     inv = torch.argsort(perm)
     tuned = set(entry.get("tuned", ()))
     if tuned:
-        skipped.append(f"layer {i}: {', '.join(f'{t}_proj' for t in sorted(tuned))} tuned (--tune-epochs), "
+        names = ', '.join(t if t == "router" else f'{t}_proj' for t in sorted(tuned))
+        skipped.append(f"layer {i}: {names} tuned (--tune-epochs / --tune-tokens), "
                        "not compared with the source")
     for kind, col in (("gate", 0), ("up", 1)):
         if kind in tuned:
@@ -508,7 +509,7 @@ def verify_checkpoint(out: str | Path, against: str | Path | None = None, *, val
         return result
     report = read_report(out) or {}
     if any(entry.get("compensated") or entry.get("tuned") for entry in report.get("layers", [])):
-        result.skipped.append("logits: FFN weights were refit (--compensate) or tuned (--tune-epochs), so the MoE model "
+        result.skipped.append("logits: FFN weights were refit (--compensate) or tuned (--tune-epochs / --tune-tokens), so the MoE model "
                               "is not the dense one by design; not compared")
         return result
     diff, scale = compare_logits(out, against, layout, report, seq_len=seq_len)

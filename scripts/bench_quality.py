@@ -105,7 +105,8 @@ def load_moe(path: Path):
     # perturbation at float32 rounding level flips near-tied top-k choices, so whole-model logits are no test)
     block = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts"))
     gen = torch.Generator().manual_seed(0)
-    n_e, k = model.config.num_local_experts, model.config.num_experts_per_tok
+    n_e = getattr(model.config, "num_local_experts", None) or model.config.num_experts
+    k = model.config.num_experts_per_tok
     x = torch.randn(256, model.config.hidden_size, generator=gen)
     idx = torch.stack([torch.randperm(n_e, generator=gen)[:k] for _ in range(256)])
     w = torch.rand(256, k, generator=gen)
@@ -140,36 +141,69 @@ def install_oracle_router(model) -> None:
 
 
 def row_settings(row: str) -> dict:
-    """'activation/fitted+refit+corrected+tune2' -> ConvertConfig fields. 'preset' = the config's preset as is."""
-    if row == "preset":
-        return {}
-    method, rest = row.split("/")
-    router, *extras = rest.split("+")
-    unknown = [e for e in extras if e not in ("refit", "corrected", "moefeed") and not re.fullmatch(r"tune\d+", e)]
+    """'activation/fitted+refit+corrected+tune2' -> ConvertConfig fields. 'preset' = the config's preset as is;
+    'preset+distill64k+gen0+frozen' = the preset with --tune-tokens 65536, --tune-generated 0, --freeze-router."""
+    if row == "preset" or row.startswith("preset+"):
+        head, extras = {}, row.split("+")[1:]
+    else:
+        method, rest = row.split("/")
+        router, *extras = rest.split("+")
+        head = {"method": method, "router": "mean-gate" if router == "oracle" else router,
+                "compensate": "refit" in extras, "oracle": router == "oracle"}
+    unknown = [e for e in extras if e not in ("refit", "corrected", "moefeed", "frozen")
+               and not re.fullmatch(r"(tune|gen)\d+|distill\d+k?", e)]
     if unknown:
-        raise SystemExit(f"row {row!r}: unknown suffix {unknown[0]!r} (refit, corrected, moefeed, tuneN)")
-    tune = next((int(e[4:]) for e in extras if e.startswith("tune")), 0)
+        raise SystemExit(f"row {row!r}: unknown suffix {unknown[0]!r} (refit, corrected, moefeed, tuneN, distillN[k], "
+                         "genP (percent of self-generated tuning text), frozen)")
+    out = dict(head)
+    for e in extras:
+        if e.startswith("tune"):
+            out["tune_epochs"] = int(e[4:])
+        elif e.startswith("distill"):
+            out["tune_tokens"] = int(e[7:].rstrip("k")) * (1024 if e.endswith("k") else 1)
+        elif e.startswith("gen"):
+            out["tune_generated"] = int(e[3:]) / 100
+    if "frozen" in extras:
+        out["tune_router"] = False
     feed = "corrected" if "corrected" in extras else "moe" if "moefeed" in extras else None
-    return {"method": method, "router": "mean-gate" if router == "oracle" else router, "compensate": "refit" in extras,
-            "calib_feed": feed, "tune_epochs": tune, "oracle": router == "oracle"}
+    if head or feed:
+        out["calib_feed"] = feed
+    return out
 
 
 def run_row(model_dir: Path, row: str, config: str, calib: Path, calib_tokens: int, evals: dict, seq_len, work: Path,
-            feed: str) -> dict:
+            feed: str, tune_tokens: int | None = None, curve_at: tuple[int, ...] = ()) -> dict:
 
     settings, shape = row_settings(row), parse_config(config)
     oracle = settings.pop("oracle", False)
     preset = shape.pop("preset", None)
     if settings.get("calib_feed") is None:
         settings["calib_feed"] = None if preset else feed
-    needs_calib = bool(preset) or (settings["method"] in ("activation", "coactivation") or settings["router"] == "fitted"
-                                   or settings["compensate"] or settings["tune_epochs"])
+    if tune_tokens is not None and "tune_tokens" not in settings:
+        settings["tune_tokens"] = tune_tokens
+    needs_calib = bool(preset) or (settings.get("method") in ("activation", "coactivation")
+                                   or settings.get("router") == "fitted" or settings.get("compensate")
+                                   or settings.get("tune_epochs") or settings.get("tune_tokens"))
     cfg = build_config(preset, **shape, **settings, calib=[str(calib)] if needs_calib else None,
-                       calib_tokens=calib_tokens if needs_calib else None)
+                       calib_tokens=(calib_tokens or None) if needs_calib else None)
     out = work / re.sub(r"[^A-Za-z0-9.+-]", "_", f"{config}-{row}")
+    curve = []
+    if curve_at:  # score the student (which computes what the exported MoE computes) along the tuning run
+        from moeify.distill import set_step_hook
+
+        def hook(student, step, tokens):
+            if any(tokens - 1024 < m <= tokens for m in curve_at) or (tokens == 0 and 0 in curve_at):
+                point = {"tokens": tokens, "ppl": {n: perplexity(student, ids, seq_len) for n, ids in evals.items()}}
+                curve.append(point)
+                print(f"  tuned on {tokens:,} tokens: " + ", ".join(f"{n} {p:.3f}" for n, p in point["ppl"].items()),
+                      flush=True)
+
+        set_step_hook(hook)
     t0 = time.time()
     report = run_conversion(plan_conversion(model_dir, cfg), out, overwrite=True)
     seconds = time.time() - t0
+    if curve_at:
+        set_step_hook(None)
     model = load_moe(out)
     if oracle:
         install_oracle_router(model)
@@ -181,6 +215,8 @@ def run_row(model_dir: Path, row: str, config: str, calib: Path, calib_tokens: i
     return {"config": config, "row": row, "active": active_fraction(shape | {"experts": cfg.experts, "top_k": cfg.top_k,
                                                                              "shared": cfg.shared}),
             "ppl": ppl, "seconds": round(seconds, 2), "calib_tokens": report["calibration"].get("tokens"),
+            "tuning": {k: v for k, v in report["calibration"].get("tuning", {}).items() if k != "text"} or None,
+            "settings": report["settings"], "curve": curve,
             "agreement": sum(agreement) / len(agreement) if agreement and not oracle else None,
             "layer_rel_error": errors}
 
@@ -192,15 +228,22 @@ def main() -> None:
     ap.add_argument("--eval", type=Path, nargs="+", default=[CORPORA / "valid.txt"],
                     help="held-out texts (each scored separately, same first --eval-tokens tokens for every model)")
     ap.add_argument("--eval-tokens", type=int, default=65536)
-    ap.add_argument("--calib-tokens", type=int, default=32768, help="0: all of the calibration text (up to 65,536)")
+    ap.add_argument("--calib-tokens", type=int, default=32768, help="0: the preset's, else all of the calibration "
+                    "text (up to 65,536)")
+    ap.add_argument("--tune-tokens", type=int, default=None, help="--tune-tokens of every row that does not set it "
+                    "(0: training-free) [default: the preset's]")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--feed", default="dense", choices=("dense", "moe"))
+    ap.add_argument("--curve", default="", help="comma-separated token counts (e.g. 16384,65536,262144) at which to "
+                    "score the eval texts along each row's tuning run: the tokens -> quality curve")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--json", type=Path, default=ROOT / "scripts" / "bench_quality_results.json")
     ap.add_argument("--append", action="store_true", help="keep the rows already in --json (same model and texts)")
     args = ap.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(args.threads or max(1, torch.get_num_threads()))
+    curve_at = tuple(int(t) for t in args.curve.split(",") if t)
 
     from transformers import AutoModelForCausalLM
 
@@ -219,7 +262,7 @@ def main() -> None:
         for config in args.configs.split(","):
             for row in args.rows.split(","):
                 r = run_row(args.model, row, config, args.calib, args.calib_tokens, evals, args.seq_len, Path(work),
-                            args.feed)
+                            args.feed, args.tune_tokens, curve_at)
                 r["ratio"] = {n: r["ppl"][n] / dense_ppl[n] for n in evals}
                 results["rows"].append(r)
                 agree = f"  agreement {r['agreement']:.3f}" if r["agreement"] is not None else ""

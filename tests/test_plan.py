@@ -231,3 +231,63 @@ def test_dry_run_serving_fit_padding_and_json(tmp_path):
     assert data["serving"] == {"llama.cpp K-quants": 1, "vLLM FP8 block": 2, "vLLM int4 Marlin": 2}
     assert data["output_bytes"] == padded.output_bytes and "nothing written" in res.stderr
     assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------- engine guard rails
+
+
+def test_engine_notes_name_what_fails_and_the_fix():
+    from moeify.engines import engine_notes
+
+    notes = engine_notes("mixtral", 32, 64, 0, 24, True, 0, 64, 576, 9)
+    fail = [n for n in notes if n.fails]
+    assert [n.engine for n in fail] == ["llama.cpp"] and "top-k 32" in fail[0].what
+    assert "--top-k ≤ 16" in fail[0].fix and "--experts 32 --top-k 16" in fail[0].fix
+    slow = [n for n in notes if not n.fails]
+    assert len(slow) == 1 and "not a multiple of 32" in slow[0].what and "--pad-experts-to 32" in slow[0].fix
+    assert engine_notes("mixtral", 16, 64, 0, 32, True, 0, 64, 576, 9) == []  # top-16, width 32: clean
+    qwen = engine_notes("qwen2_moe", 8, 48, 0, 32, True, 1, 128, 576, 9)
+    assert {(n.engine, n.fails) for n in qwen} == {("llama.cpp", True), ("vllm", True)}
+    assert {n.fix for n in qwen} >= {"pass --untie-embeddings", "leave out --dense-layers", "use --format mixtral"}
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory, tokenizer_dir):
+    return build_dense(tmp_path_factory.mktemp("src") / "dense", tokenizer_dir)  # d_ff 96, 3 layers
+
+
+def test_convert_refuses_a_layout_a_target_cannot_run(tmp_path, source):
+    """d_ff 96: 48 experts of width 2, top-24 overflows llama.cpp's graph; refused for --target llama.cpp (not for
+    the others), planned with --force; the dry run prints the verdict and its JSON carries it."""
+    cfg = build_config(experts=48, top_k=24, targets="llama.cpp,transformers")
+    with pytest.raises(MoeifyError, match=r"--target llama.cpp: llama.cpp cannot run this layout: top-k 24.*--force"):
+        plan_conversion(source, cfg)
+    plan = plan_conversion(source, cfg, force=True)
+    assert any(n.fails and n.engine == "llama.cpp" for n in plan.engine_notes)
+    plan_conversion(source, build_config(experts=48, top_k=24, targets=("vllm", "transformers")))  # no refusal
+    with pytest.raises(MoeifyError, match="--target 'sglang' is not one of"):
+        build_config(targets=("sglang",))
+    runner = CliRunner()
+    res = runner.invoke(app, ["convert", str(source), str(tmp_path / "o"), "--experts", "48", "--top-k", "24",
+                              "--weight-only", "--target", "llama.cpp", "--dry-run"])
+    assert res.exit_code == 2 and "--force" in res.output and not (tmp_path / "o").exists()
+    res = runner.invoke(app, ["convert", str(source), str(tmp_path / "o"), "--experts", "48", "--top-k", "24",
+                              "--weight-only", "--dry-run", "--json", "-"])
+    assert res.exit_code == 0
+    engines = json.loads(res.stdout)["engines"]
+    assert any(e["engine"] == "llama.cpp" and e["fails"] and "top-k 24" in e["what"] for e in engines)
+    res = runner.invoke(app, ["plan", str(source), "--experts", "48", "--top-k", "24"])
+    assert res.exit_code == 0 and "llama.cpp: fails: top-k 24" in " ".join(res.output.split())
+
+
+def test_presets_name_every_engine_and_fit_llamacpp():
+    from pathlib import Path
+
+    from moeify.config import load_preset
+    from moeify.engines import ENGINES, LLAMACPP_MAX_TOPK
+
+    for preset in sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.toml")):
+        data = load_preset(preset)
+        assert set(data["targets"]) == set(ENGINES), preset
+        assert data["top_k"] <= LLAMACPP_MAX_TOPK, preset
+        assert data["tune_tokens"] > 0, preset

@@ -1,0 +1,292 @@
+"""Whole-model distillation of a carved MoE towards its dense source (the main tuning path, `--tune-tokens`).
+
+The student is the dense model with every carved layer's `mlp` replaced by `MaskedMoE`, which computes exactly what
+the exported Mixtral / Qwen2-MoE block computes (softmax router, top-k, the format's gate weights, the factor k or N
+that moeify folds into `down_proj`), in the dense neuron order. It is trained to match the dense teacher's
+next-token distributions (KL, no labels) on a stream of fresh tokens. Data in, tensors out; no checkpoint I/O.
+
+Why these choices (BENCHMARKS.md, "Recovery tuning", has the measurements):
+- Whole-model KL, not layer-local reconstruction: a layer's own weights under fixed routing can remove only a few
+  percent of its error, while the end-to-end objective lets every layer compensate the others.
+- Fresh tokens, not epochs over a few: the carve memorises its calibration tokens (KL 0.17 on them, 0.91 on fresh
+  text), so the token budget is a stream over a broad mix (the user's text, a bundled broad sample, and text the
+  dense model samples itself: what the teacher knows is what the student is taught), and every early-stopping
+  decision is taken on held-out windows of that mix that no step trains on.
+- Step sizes relative to each tensor's RMS (Adam updates have the size of the learning rate), linear warm-up then
+  cosine decay over the whole token budget.
+- Trainable routing that exports to the stock formats: each layer's router is trained with its temperature (a log
+  scale, starting at the carve's unit-gate scale, so step 0 is exactly the carved model). The gate weights are the
+  format's own softmax weights, so whatever is learned is what Mixtral / Qwen2-MoE compute; the top-k choice has no
+  gradient, as in any trained MoE, but the weights of the chosen experts do, and the router rows move the choice.
+- Memory bounded at any vocabulary: the KL is computed over chunks of tokens, and when a batch's logits would be
+  large each chunk's are recomputed in the backward pass (activation checkpointing).
+- bf16 autocast for both models where the hardware has fast bf16 (AVX512-BF16 / AMX CPUs, any recent GPU); the
+  router logits, the softmax and the KL stay in float32.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .tune import masked_ffn
+
+
+@dataclass(frozen=True)
+class DistillSettings:
+    tokens: int  # training tokens (the budget); every step sees batch_tokens of them
+    lr: float = 0.003  # Adam step relative to each expert tensor's RMS (and the router's)
+    temp_lr: float = 0.05  # absolute Adam step of each layer's log router scale
+    train_router: bool = True
+    batch_tokens: int = 1024
+    warmup_steps: int = 5
+    evals: int = 6  # held-out checks over the run; the best checked weights are kept
+    autocast: str = "auto"  # auto | bf16 | off
+    kl_chunk: int = 256  # tokens per KL chunk (bounds the logits held at once)
+    seed: int = 0
+
+
+class MaskedMoE(torch.nn.Module):
+    """A carved FFN as the exported MoE block computes it, in the dense neuron order.
+
+    gate/up: (d_ff, d_model), down: (d_model, d_ff) as carved (without the factor k / N of the export), router:
+    (E, d_model) before the unit-gate scale, scale: that scale (> 0), labels: (d_ff,) expert of each neuron (-1:
+    shared, always on with weight 1, or with shared_gate c: 2 sigmoid(c sum(x)), Qwen2-MoE's constant gate row c
+    with the shared down_proj x 2 of the export). fmt "mixtral": gate weights are the top-k softmax probabilities renormalised,
+    times k; "qwen2_moe": the softmax probabilities over all experts (not renormalised), times N."""
+
+    def __init__(self, gate, up, down, router: torch.Tensor, scale: float, labels: torch.Tensor, top_k: int,
+                 fmt: str = "mixtral", shared_gate: float | None = None):
+        super().__init__()
+        self.gate, self.up, self.down = (torch.nn.Parameter(t.detach().float().clone()) for t in (gate, up, down))
+        self.router = torch.nn.Parameter(router.detach().float().clone())
+        self.log_scale = torch.nn.Parameter(torch.tensor(math.log(scale), dtype=torch.float32))
+        self.register_buffer("labels", labels.clone())
+        self.top_k, self.fmt, self.shared_gate = top_k, fmt, shared_gate
+
+    def exported_router(self) -> torch.Tensor:
+        """The router rows the checkpoint stores (the scale folded in)."""
+        return (self.router * self.log_scale.exp()).detach()
+
+    def gates(self, x: torch.Tensor) -> torch.Tensor:
+        """(n, E + 1) weight of each expert for each token (0 when not chosen); the last column, the shared neurons,
+        is 1."""
+        n_exp = self.router.shape[0]
+        with torch.autocast(x.device.type, enabled=False):
+            logits = x.float() @ (self.router * self.log_scale.exp()).T
+            probs = logits.softmax(-1)
+            idx = logits.topk(self.top_k, dim=1).indices
+            w = probs.gather(1, idx)
+            w = w / w.sum(1, keepdim=True) * self.top_k if self.fmt == "mixtral" else w * n_exp
+            g = torch.zeros(x.shape[0], n_exp + 1, device=x.device, dtype=w.dtype).scatter(1, idx, w)
+            shared = (torch.ones_like(g[:, :1]) if self.shared_gate is None else  # Qwen2-MoE: 2 sigmoid(c sum(x))
+                      2 * torch.sigmoid(self.shared_gate * x.float().sum(1, keepdim=True)))
+            return torch.cat([g[:, :n_exp], shared], 1)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = h.reshape(-1, h.shape[-1])
+        mask = self.gates(x)[:, self.labels]
+        return masked_ffn(x, self.gate, self.up, self.down, mask.to(x.dtype)).view(h.shape)
+
+
+def bf16_fast(device: str) -> bool:
+    """Whether bf16 matrix products are fast here: a CUDA device with bf16, or a CPU with AVX512-BF16 or AMX."""
+    if device.startswith("cuda"):
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def _autocast(device: str, mode: str):
+    on = mode == "bf16" or (mode == "auto" and bf16_fast(device))
+    return torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=on), on
+
+
+def _teacher_logprobs(ht: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad(), torch.autocast(ht.device.type, enabled=False):
+        return F.log_softmax(ht.float() @ head.float().T, dim=-1)
+
+
+def _kl_chunk(hs: torch.Tensor, t: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    with torch.autocast(hs.device.type, enabled=False):
+        s = F.log_softmax(hs.float() @ head.float().T, dim=-1)
+        return (t.exp() * (t - s)).sum()
+
+
+CHECKPOINT_BYTES = 1 << 30  # above this many bytes of student logits per batch, recompute them in backward
+
+
+def chunked_kl(hs: torch.Tensor, ht: torch.Tensor, head: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Mean over tokens of KL(teacher || student) from the final hidden states (n, d) and the output head (V, d),
+    `chunk` tokens at a time, so at most one chunk of teacher log-probabilities is held. With gradients, autograd
+    keeps each chunk's student log-probabilities for the backward pass, unless the whole batch's would exceed
+    CHECKPOINT_BYTES: then each chunk's logits are recomputed in backward (activation checkpointing), and memory
+    stays bounded at any vocabulary and batch size."""
+    hs, ht = hs.reshape(-1, hs.shape[-1]), ht.reshape(-1, ht.shape[-1]).detach()
+    recompute = hs.requires_grad and 2 * hs.shape[0] * head.shape[0] * 4 > CHECKPOINT_BYTES
+    total = hs.new_zeros((), dtype=torch.float32)
+    for s in range(0, hs.shape[0], chunk):
+        t = _teacher_logprobs(ht[s:s + chunk], head)
+        if recompute:
+            total = total + checkpoint(_kl_chunk, hs[s:s + chunk], t, head, use_reentrant=False)
+        else:
+            total = total + _kl_chunk(hs[s:s + chunk], t, head)
+    return total / hs.shape[0]
+
+
+def final_hidden(model, ids: torch.Tensor) -> torch.Tensor:
+    return model.model(input_ids=ids).last_hidden_state
+
+
+class WindowStream:
+    """Training windows drawn in a seeded random order without replacement, reshuffled when all were seen."""
+
+    def __init__(self, windows: torch.Tensor, seed: int):
+        self.windows, self.gen, self.order, self.pos, self.passes = windows, torch.Generator().manual_seed(seed), None, 0, 0
+        self._shuffle()
+
+    def _shuffle(self):
+        self.order, self.pos = torch.randperm(self.windows.shape[0], generator=self.gen), 0
+
+    def take(self, n: int) -> torch.Tensor:
+        out = []
+        while n:
+            if self.pos == len(self.order):
+                self._shuffle()
+                self.passes += 1
+            m = min(n, len(self.order) - self.pos)
+            out.append(self.windows[self.order[self.pos:self.pos + m]])
+            self.pos, n = self.pos + m, n - m
+        return torch.cat(out)
+
+
+_STEP_HOOK = None
+
+
+def set_step_hook(hook) -> None:
+    """Benchmarks only: call hook(student, step, tokens_so_far) after every optimizer step (None: no hook), e.g. to
+    score held-out texts along one run (scripts/bench_quality.py's tokens -> quality curve)."""
+    global _STEP_HOOK
+    _STEP_HOOK = hook
+
+
+def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, settings: DistillSettings,
+            progress=None) -> dict:
+    """Train the student's MaskedMoE weights (and routers) towards the teacher's next-token distributions.
+
+    train: (n_windows, seq_len) token windows to draw the budget from; held_out: (m, seq_len) windows never trained
+    on, used for every early-stopping decision. Returns info (held-out KL before/after and along the run, train KL,
+    steps, tokens, passes over the training windows, seconds, autocast); the student holds the kept weights."""
+    device = next(student.parameters()).device
+    moes = [m for m in student.modules() if isinstance(m, MaskedMoE)]
+    for p in student.parameters():
+        p.requires_grad_(False)
+    experts = [p for m in moes for p in (m.gate, m.up, m.down)]
+    routers = [m.router for m in moes] if settings.train_router else []
+    temps = [m.log_scale for m in moes] if settings.train_router else []
+    params = experts + routers + temps
+    for p in params:
+        p.requires_grad_(True)
+    groups = [{"params": [p], "lr": settings.lr * p.detach().pow(2).mean().sqrt().item()} for p in experts + routers]
+    if temps:
+        groups.append({"params": temps, "lr": settings.temp_lr})
+    opt = torch.optim.Adam(groups, betas=(0.9, 0.99))
+    seq = train.shape[1]
+    per_step = max(1, settings.batch_tokens // seq)
+    total = max(1, math.ceil(settings.tokens / (per_step * seq)))
+    warm = min(settings.warmup_steps, max(1, total // 10))
+
+    def lr_at(step: int) -> float:  # step 0-based
+        if step < warm:
+            return (step + 1) / warm
+        return 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    ctx, bf16 = _autocast(str(device), settings.autocast)
+    head = student.lm_head.weight
+    with torch.no_grad(), ctx:  # the teacher's final hidden states on the held-out windows, once
+        hold_t = [final_hidden(teacher, held_out[s:s + per_step].to(device)) for s in range(0, len(held_out), per_step)]
+
+    def held_kl() -> float:
+        with torch.no_grad(), ctx:
+            kl = [chunked_kl(final_hidden(student, held_out[s:s + per_step].to(device)), t, head, settings.kl_chunk)
+                  * t.shape[0] for s, t in zip(range(0, len(held_out), per_step), hold_t)]
+        return (sum(kl) / len(held_out)).item()
+
+    stream = WindowStream(train, settings.seed)
+    checks = sorted({max(1, round(total * (i + 1) / settings.evals)) for i in range(settings.evals)})
+    before = best = held_kl()
+    best_state, best_step, curve = [p.detach().cpu().clone() for p in params], 0, [(0, before)]
+    train_kl, ema, t0 = float("nan"), None, time.time()
+    cpu0, hook_s, hook_cpu = time.process_time(), 0.0, 0.0
+    if _STEP_HOOK is not None:  # the carved model, before any step
+        h0, hc0 = time.time(), time.process_time()
+        _STEP_HOOK(student, 0, 0)
+        hook_s, hook_cpu = time.time() - h0, time.process_time() - hc0
+    for step in range(1, total + 1):
+        batch = stream.take(per_step).to(device)
+        with ctx:
+            with torch.no_grad():
+                target = final_hidden(teacher, batch)
+            loss = chunked_kl(final_hidden(student, batch), target, head, settings.kl_chunk)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        if step in checks:
+            kl = held_kl()
+            curve.append((step, kl))
+            if kl < best:
+                best, best_step = kl, step
+                best_state = [p.detach().cpu().clone() for p in params]
+        if progress:
+            progress("tuning", step, total, f"train KL {ema:.3f}, held-out {curve[-1][1]:.3f}")
+        if _STEP_HOOK is not None:  # its time is not tuning time
+            h0, hc0 = time.time(), time.process_time()
+            _STEP_HOOK(student, step, step * per_step * seq)
+            hook_s, hook_cpu = hook_s + time.time() - h0, hook_cpu + time.process_time() - hc0
+    train_kl = ema
+    with torch.no_grad():
+        for p, kept in zip(params, best_state):
+            p.copy_(kept.to(p.device))
+            p.requires_grad_(False)
+    seconds = time.time() - t0 - hook_s
+    tokens = total * per_step * seq
+    return {"holdout_kl_before": before, "holdout_kl_after": best, "train_kl_end": train_kl, "step_kept": best_step,
+            "holdout_curve": [[s, round(k, 5)] for s, k in curve], "steps": total, "tokens": tokens,
+            "train_windows": int(train.shape[0]), "held_out_windows": int(held_out.shape[0]),
+            "passes": round(tokens / max(1, train.numel()), 3), "seconds": round(seconds, 1),
+            "cpu_seconds": round(time.process_time() - cpu0 - hook_cpu, 1),
+            "seconds_per_1k_tokens": round(1024 * seconds / tokens, 3), "bf16_autocast": bf16,
+            "router_trained": settings.train_router}
+
+
+# --------------------------------------------------------------------------------------- the tuning text
+
+
+@torch.no_grad()
+def sample_text(model, prompts: torch.Tensor, new_tokens: int, seed: int, batch: int = 64,
+                progress=None) -> torch.Tensor:
+    """The dense model's own continuations (temperature 1, no truncation) of short prompts: (n, p + new_tokens)
+    token windows of what the model itself predicts, for label-free distillation (LLM-QAT's data-free KL)."""
+    device = next(model.parameters()).device
+    torch.manual_seed(seed)
+    outs = []
+    for s in range(0, prompts.shape[0], batch):
+        p = prompts[s:s + batch].to(device)
+        out = model.generate(input_ids=p, attention_mask=torch.ones_like(p), do_sample=True, temperature=1.0,
+                             top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             pad_token_id=0, eos_token_id=None)
+        outs.append(out[:, : p.shape[1] + new_tokens].cpu())
+        if progress:
+            progress("sampling tuning text", min(s + batch, prompts.shape[0]), prompts.shape[0])
+    return torch.cat(outs)

@@ -1,0 +1,69 @@
+"""Which serving engines run a planned output layout, and which run it slowly: the guard rails of `convert`,
+`convert --dry-run` and `plan`.
+
+Each verdict is a fact measured or read off the engine's code (BENCHMARKS.md "Serving"; ../shared/FORMATS.md):
+- llama.cpp sizes a model's compute graph at max(1024, 8 x its tensor count) nodes (`graph_max_nodes`,
+  src/llama-context.cpp) and its MoE block adds a view and an add node per used expert per layer, so a top-k above
+  about 20 overflows it and aborts (`GGML_ASSERT(obj_new)`) whatever the model size: measured, top-24 and top-32
+  abort, top-16 runs (llama.cpp 2026-10, SmolLM2-135M and a 1B Llama shape).
+- llama.cpp's qwen2moe graph has no tied output (`missing tensor 'output.weight'`), no dense (`mlp_only_layers`)
+  layers, and wants a shared expert.
+- llama.cpp quantizes a row only when its length is a multiple of the block (32 for Q8_0/Q4_0, 256 for K-quants);
+  an expert down_proj row is the expert width, else it falls back to a wider type (finally F16).
+- vLLM's Qwen2-MoE assumes head_dim = hidden / heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ENGINES = ("transformers", "vllm", "llama.cpp")
+LLAMACPP_MAX_TOPK = 16  # the largest top-k measured to run (24 and 32 abort); see the module docstring
+
+
+@dataclass(frozen=True)
+class EngineNote:
+    engine: str
+    fails: bool  # True: the engine cannot load or run the output; False: it runs, slower or larger
+    what: str
+    fix: str
+
+    def line(self) -> str:
+        return f"{self.engine}: {'fails' if self.fails else 'runs'}: {self.what} ({self.fix})"
+
+
+def engine_notes(fmt: str, top_k: int, experts: int, shared_width: int, padded_width: int, tied_out: bool,
+                 dense_layers: int, head_dim: int, hidden: int, heads: int) -> list[EngineNote]:
+    """What each engine says of a planned layout (empty: every engine runs it as well as its width allows)."""
+    notes = []
+    if top_k > LLAMACPP_MAX_TOPK:
+        notes.append(EngineNote("llama.cpp", True, f"top-k {top_k} overflows its compute graph (more than "
+                                f"{LLAMACPP_MAX_TOPK} experts per token abort with GGML_ASSERT(obj_new))",
+                                f"use --top-k ≤ {LLAMACPP_MAX_TOPK}: fewer, wider experts (e.g. --experts "
+                                f"{max(2, experts * LLAMACPP_MAX_TOPK // top_k)} --top-k {LLAMACPP_MAX_TOPK}) or a "
+                                "shared expert"))
+    if fmt == "qwen2_moe":
+        if tied_out:
+            notes.append(EngineNote("llama.cpp", True, "its qwen2moe has no tied output (missing output.weight)",
+                                    "pass --untie-embeddings"))
+        if dense_layers:
+            notes.append(EngineNote("llama.cpp", True, "its qwen2moe has no dense (mlp_only_layers) layers",
+                                    "leave out --dense-layers"))
+        if not shared_width:
+            notes.append(EngineNote("llama.cpp", True, "its qwen2moe expects a shared expert",
+                                    "use --format mixtral or --shared S"))
+        if head_dim * heads != hidden:
+            notes.append(EngineNote("vllm", True, f"its Qwen2-MoE assumes head_dim = hidden / heads "
+                                    f"({hidden // heads}), the source has {head_dim}", "use --format mixtral"))
+    if padded_width % 32:
+        notes.append(EngineNote("llama.cpp", False, f"expert width {padded_width} is not a multiple of 32: Q8_0/Q4_0 "
+                                "fall back to a wider type for the experts", "--pad-experts-to 32, or fewer experts"))
+    return notes
+
+
+def blocking(notes: list[EngineNote], targets: tuple[str, ...]) -> list[EngineNote]:
+    """The notes that stop a conversion for the named targets."""
+    return [n for n in notes if n.fails and n.engine in targets]
+
+
+__all__ = ["ENGINES", "LLAMACPP_MAX_TOPK", "EngineNote", "engine_notes", "blocking"]
