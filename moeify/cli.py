@@ -115,6 +115,8 @@ def eval_cmd(
                               "| float32."),
     oracle: bool = typer.Option(True, "--oracle/--no-oracle", help="Also run every expert on every token to score "
                                 "the router against the top-k by true expert output norm (costs a dense FFN)."),
+    kl: bool = typer.Option(True, "--kl/--no-kl", help="Also the mean KL divergence of each model's next-token "
+                            "distributions from the first model's (what recovery tuning minimises)."),
     json_dest: Optional[str] = _json_option("Every number (per layer, per expert)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="PNG of per-layer expert load heatmaps (needs "
                                         "matplotlib: pip install 'moeify[plot]')."),
@@ -127,7 +129,7 @@ def eval_cmd(
 
     try:
         settings = EvalSettings(seq_len=seq_len, stride=stride, max_tokens=max_tokens, batch_size=batch_size,
-                                device=device, dtype=dtype, oracle=oracle)
+                                device=device, dtype=dtype, oracle=oracle, kl=kl)
         _run_eval(models, data, settings, json_dest, plot)
     except MoeifyError as exc:
         _fail(exc)

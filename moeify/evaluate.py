@@ -45,6 +45,7 @@ class EvalSettings:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bfloat16 on cuda, float32 on cpu) | bfloat16 | float16 | float32
     oracle: bool = True  # also score router top-k against the top-k by true expert output norm
+    kl: bool = True  # also the mean KL(first model || model) of the next-token distributions
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -320,6 +321,7 @@ class ModelResult:
     n_experts: int | None = None
     top_k: int | None = None
     routing: list[LayerRouting] | None = None
+    kl: float | None = None  # mean KL(reference || this model) of the next-token distributions over the scored tokens
 
 
 @dataclass
@@ -370,15 +372,21 @@ def _clock(t: torch.Tensor) -> float:
 
 @torch.no_grad()
 def score_model(model, ids: torch.Tensor, windows: list[Window], batch_size: int = 4, oracle: bool = True,
-                progress: Callable[[int, int], None] | None = None) -> dict:
-    """NLL sum over the scored tokens of every window, routing statistics, forward time."""
+                progress: Callable[[int, int], None] | None = None, keep_states: bool = False,
+                ref: dict | None = None) -> dict:
+    """NLL sum over the scored tokens of every window, routing statistics, forward time.
+
+    keep_states: also return the final hidden states of the scored positions (CPU) and the output head, so that a
+    later model's KL(reference || model) can be computed (`ref`: that return value) without holding two models or
+    a (tokens x vocab) tensor."""
     device = next(model.parameters()).device
     decoder, head = model.get_decoder(), model.get_output_embeddings()
     moe_layers = find_moe_layers(model)
     hooks = _RouterHooks(moe_layers, oracle) if moe_layers else None
     rows_per_chunk = max(1, 2 ** 25 // model.config.vocab_size)  # ~128 MB of float32 logits at a time
-    nll, scored, fed, seconds, done = 0.0, 0, 0, 0.0, 0
+    nll, scored, fed, seconds, done, kl = 0.0, 0, 0, 0.0, 0, 0.0
     batches = batch_windows(windows, batch_size)
+    kept = []
     try:
         # untimed warm-up on the first batch's shape (no statistics): one-off start-up costs (kernel selection,
         # allocator) would otherwise count against the first model's tokens/s
@@ -386,7 +394,7 @@ def score_model(model, ids: torch.Tensor, windows: list[Window], batch_size: int
         if hooks:
             hooks.mask = torch.zeros(warm.numel(), dtype=torch.bool)
         decoder(input_ids=warm)
-        for batch in batches:
+        for b_idx, batch in enumerate(batches):
             w0 = batch[0]
             x = torch.stack([ids[w.begin:w.end] for w in batch]).to(device)  # (B, L)
             if hooks:
@@ -402,6 +410,10 @@ def score_model(model, ids: torch.Tensor, windows: list[Window], batch_size: int
                 logits = head(states[c:c + rows_per_chunk]).float()
                 nll += F.cross_entropy(logits, targets[c:c + rows_per_chunk], reduction="sum").item()
             seconds += _clock(x) - t0 - (hooks.seconds if hooks else 0.0)
+            if keep_states:
+                kept.append(states.cpu())
+            if ref is not None:
+                kl += _kl_sum(states, ref["states"][b_idx].to(device), ref["head"], head, rows_per_chunk)
             scored += len(targets)
             fed += x.numel()
             done += len(batch)
@@ -411,7 +423,18 @@ def score_model(model, ids: torch.Tensor, windows: list[Window], batch_size: int
         routing = hooks.remove() if hooks else None
     total, active = count_params(model, moe_layers)
     return {"nll": nll, "scored": scored, "fed": fed, "seconds": seconds, "routing": routing, "total": total,
-            "active": active, "moe_layers": moe_layers}
+            "active": active, "moe_layers": moe_layers, "kl": kl / scored if ref is not None else None,
+            "states": kept if keep_states else None, "head": head if keep_states else None}
+
+
+def _kl_sum(states: torch.Tensor, ref_states: torch.Tensor, ref_head, head, rows: int) -> float:
+    """Sum over positions of KL(reference || model) of the next-token distributions, `rows` positions at a time."""
+    total = 0.0
+    for c in range(0, states.shape[0], rows):
+        t = F.log_softmax(ref_head(ref_states[c:c + rows]).float(), -1)
+        m = F.log_softmax(head(states[c:c + rows]).float(), -1)
+        total += (t.exp() * (t - m)).sum().item()
+    return total
 
 
 # ---------------------------------------------------------------------------------------- pipeline
@@ -507,12 +530,16 @@ def evaluate(model_paths: list[str | Path], data: str | Path | None = None, sett
                   "batch_size": settings.batch_size, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
                   "oracle": settings.oracle},
     )
+    ref = None  # the reference's final hidden states and head, for every later model's KL
     for n, (path, config) in enumerate(zip(paths, configs), 1):
         model = _load_model(path, dtype, device)
         t0 = time.perf_counter()
         label = f"{n}/{len(paths)} {path.name}"
         tick = (lambda done, total, name=label: progress(name, done, total)) if progress else None
-        r = score_model(model, ids, windows, settings.batch_size, settings.oracle, tick)
+        r = score_model(model, ids, windows, settings.batch_size, settings.oracle, tick,
+                        keep_states=settings.kl and n == 1 and len(paths) > 1, ref=ref)
+        if r["states"] is not None:
+            ref = {"states": r["states"], "head": r["head"]}
         mean_nll = r["nll"] / r["scored"]
         ppl = math.exp(mean_nll)
         moe = r["moe_layers"]
@@ -523,6 +550,7 @@ def evaluate(model_paths: list[str | Path], data: str | Path | None = None, sett
             tokens_per_s=r["fed"] / r["seconds"] if r["seconds"] > 0 else float("inf"),
             seconds=time.perf_counter() - t0,
             n_experts=moe[0].n_experts if moe else None, top_k=moe[0].top_k if moe else None, routing=r["routing"],
+            kl=r["kl"],
         ))
         del model, r, moe
         gc.collect()

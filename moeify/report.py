@@ -73,7 +73,8 @@ def print_eval(console: Console, result) -> None:
     console.print(_table("", ["model", "PPL", "× ref", "params", "active", "tok/s", "MoE", "CV", "<1%", "oracle"],
                          rows, left=(0, 6)))
     for label, m in zip(labels, result.models):
-        console.print(f"  {label}  {m.path} ({m.model_type}{', reference' if m is result.models[0] else ''})",
+        kl = f", KL to {labels[0]} {m.kl:.4f}" if m.kl is not None else ""
+        console.print(f"  {label}  {m.path} ({m.model_type}{', reference' if m is result.models[0] else ''}{kl})",
                       soft_wrap=True, highlight=False)
     for label, m in zip(labels, result.models):
         if m.routing:
@@ -83,7 +84,8 @@ def print_eval(console: Console, result) -> None:
                       "aux: N·Σ f·P (P: mean router probability; k when f or P is even); CV, load CV: std/mean of "
                       "expert loads (main table: mean over layers); <1%: experts with f < 0.01; oracle: tokens whose top-k equals the "
                       "top-k by true expert output norm. tok/s: window tokens per second of forward (routing "
-                      "statistics excluded). active: parameters used per token.[/]")
+                      "statistics excluded). active: parameters used per token. KL: mean KL(reference || model) of the "
+                      "next-token distributions over the scored tokens (what tuning minimises).[/]")
 
 
 def _rate(tokens_per_s: float) -> str:

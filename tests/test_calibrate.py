@@ -313,3 +313,21 @@ def test_cli_calibrates_on_the_bundled_sample_by_default(tmp_path, calib_model):
     assert report["settings"]["calib"] == [] and report["settings"]["method"] == "gate-cluster"
     both = CliRunner().invoke(app, args[:3] + ["--weight-only", "--calib", str(BUNDLED_CALIB)])
     assert both.exit_code == 2 and "--weight-only and --calib contradict each other" in both.stderr
+
+
+def test_calibration_without_tokenizer_files_names_them_and_offers_weight_only(tmp_path):
+    """A checkpoint with weights and config but no tokenizer: the CLI's calibrated default fails with one line
+    that says what is missing and offers --weight-only; --weight-only then converts."""
+    from typer.testing import CliRunner
+
+    from moeify.cli import app
+
+    src = build_dense(tmp_path / "bare", None)  # no tokenizer files
+    res = CliRunner().invoke(app, ["convert", str(src), str(tmp_path / "o"), "--experts", "4", "--top-k", "2"])
+    assert res.exit_code == 2
+    text = " ".join(res.output.split())
+    assert "calibration needs the checkpoint's tokenizer files" in text and "--weight-only" in text
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob("*.moeify-partial"))
+    res = CliRunner().invoke(app, ["convert", str(src), str(tmp_path / "o"), "--experts", "4", "--top-k", "2",
+                                   "--weight-only"])
+    assert res.exit_code == 0, res.output

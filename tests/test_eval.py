@@ -382,3 +382,30 @@ def test_json_dash_prints_only_json_on_stdout(models, text_file, tmp_path):
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["data"]["tokens"] == 100
     assert "PPL" in result.stderr and "PPL" not in result.stdout
+
+
+def test_kl_to_the_reference_equals_a_direct_computation(models, text_file):
+    """eval's KL column: the mean over scored tokens of KL(reference || model), computed from the reference's kept
+    final hidden states, equals KL of the two models' own logits on the same windows; it is 0 for the reference
+    itself and positive for a carved model."""
+    settings = EvalSettings(seq_len=SEQ, max_tokens=MAX_TOKENS, batch_size=3, device="cpu")
+    dense_path, moe_path = models["dense"], models["mixtral"]
+    result = evaluate([dense_path, moe_path, dense_path], text_file, settings)
+    dense, moe, again = result.models
+    assert dense.kl is None and again.kl == pytest.approx(0.0, abs=1e-6) and moe.kl > 1e-4
+    from conftest import load
+    from moeify.evaluate import load_tokenizer, make_windows, tokenize
+    from moeify.evaluate import read_text
+
+    ids = tokenize(load_tokenizer(dense_path), read_text(str(text_file))[0], MAX_TOKENS)
+    a, b = load(dense_path)[0], load(moe_path)[0]
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for w in make_windows(len(ids), SEQ, SEQ):
+            x = ids[w.begin:w.end].unsqueeze(0)
+            t, s = (F.log_softmax(m(x).logits[0, :-1].float(), -1) for m in (a, b))
+            total += (t.exp() * (t - s)).sum().item()
+            n += t.shape[0]
+    assert moe.kl == pytest.approx(total / n, rel=1e-3)
+    off = evaluate([dense_path, moe_path], text_file, EvalSettings(seq_len=SEQ, max_tokens=MAX_TOKENS, kl=False))
+    assert off.models[1].kl is None
