@@ -1,0 +1,114 @@
+"""Cost of recovery tuning per 1,024 tokens, as ratios to a plain dense forward + backward over the same tokens.
+
+    .venv/bin/python scripts/bench_tune.py models/smollm2-135m --threads 1 --repeats 3
+
+Measured side by side in one process, interleaved (the machine is noisy; ratios are what transfer): a dense
+forward + backward with the usual next-token cross-entropy (what pretraining or a LoRA step costs), one tuning step
+of moeify.distill (teacher forward, student forward + backward, chunked KL, Adam) on a carved student (the layout of
+--experts/--top-k; the partition is random: the cost does not depend on it), and sampling 1,024 tokens of tuning
+text from the dense model (moeify.distill.sample_text, batch 64, 112 new tokens after 16: shorter contexts than
+the 512 of real tuning windows, so a lower bound). Wall and CPU seconds for each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from moeify.distill import DistillSettings, MaskedMoE, _autocast, chunked_kl, final_hidden, sample_text  # noqa: E402
+
+
+def timed(fn, repeats: int) -> tuple[float, float]:
+    """Median wall and CPU seconds of fn() over repeats (after one untimed call)."""
+    fn()
+    walls, cpus = [], []
+    for _ in range(repeats):
+        w, c = time.perf_counter(), time.process_time()
+        fn()
+        walls.append(time.perf_counter() - w)
+        cpus.append(time.process_time() - c)
+    return sorted(walls)[len(walls) // 2], sorted(cpus)[len(cpus) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", type=Path)
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--top-k", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM
+
+    teacher = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    dense = copy.deepcopy(teacher)
+    student = copy.deepcopy(teacher)
+    gen = torch.Generator().manual_seed(0)
+    d_ff = teacher.config.intermediate_size
+    for layer in student.model.layers:
+        m = layer.mlp
+        labels = torch.randperm(d_ff, generator=gen) % args.experts
+        router = torch.randn(args.experts, teacher.config.hidden_size, generator=gen)
+        layer.mlp = MaskedMoE(m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, router, 1e-3, labels, args.top_k)
+    for p in student.parameters():
+        p.requires_grad_(False)
+    params = [p for layer in student.model.layers for p in layer.mlp.parameters()]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.Adam(params, lr=1e-6)
+    ids = torch.randint(0, teacher.config.vocab_size, (1024 // args.seq_len, args.seq_len), generator=gen)
+    ctx, bf16 = _autocast("cpu", DistillSettings(tokens=0).autocast)
+
+    def dense_step():
+        dense.zero_grad(set_to_none=True)
+        dense(ids, labels=ids).loss.backward()
+
+    def tune_step():
+        with ctx:
+            with torch.no_grad():
+                target = final_hidden(teacher, ids)
+            loss = chunked_kl(final_hidden(student, ids), target, student.lm_head.weight, 256)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    prompts = torch.randint(0, teacher.config.vocab_size, (64, 16), generator=gen)
+
+    def sample():
+        sample_text(teacher, prompts, 112, 0)  # 64 x 112 = 7 x 1,024 new tokens
+
+    rows = {}
+    for name, fn in (("dense forward + backward (CE)", dense_step), ("tuning step (KL distillation)", tune_step),
+                     ("sampling tuning text", sample)):
+        w, c = timed(fn, args.repeats)
+        rows[name] = (w / 7, c / 7) if fn is sample else (w, c)
+    base = rows["dense forward + backward (CE)"][0]
+    print(f"{args.model.name}, {args.experts} experts top-{args.top_k}, {args.threads} thread(s), bf16 autocast "
+          f"{'on' if bf16 else 'off'}; per 1,024 tokens (median of {args.repeats})")
+    print(f"| {'what':32s} | wall s | CPU s | × dense fwd+bwd |\n|{'-' * 34}|-------:|------:|---:|")
+    for name, (w, c) in rows.items():
+        print(f"| {name:32s} | {w:6.2f} | {c:5.2f} | {w / base:.2f} |")
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"peak RSS of this process (teacher, dense copy, student, Adam state): {peak:.2f} GB")
+    if args.json:
+        args.json.write_text(json.dumps({"threads": args.threads, "experts": args.experts, "top_k": args.top_k,
+                                         "bf16": bf16, "rows": {k: {"wall": w, "cpu": c} for k, (w, c) in
+                                                                rows.items()}}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
