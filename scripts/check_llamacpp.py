@@ -162,12 +162,12 @@ def fixed_gguf_py(top: Path, work: Path, pin: str) -> Path | None:
     return dst
 
 
-def to_gguf(py: Path, top: Path, model: Path, out: Path, gguf_py: Path | None) -> str | None:
+def to_gguf(py: Path, top: Path, model: Path, out: Path, gguf_py: Path | None, outtype: str = "f32") -> str | None:
     """None on success, else the converter's telling error line. gguf_py: a gguf-py to use instead of the vendored."""
     if out.is_file():
         return None
     env = dict(os.environ, NO_LOCAL_GGUF="1", PYTHONPATH=str(gguf_py)) if gguf_py else None
-    res = run([py, top / "vendor/llama.cpp/convert_hf_to_gguf.py", model, "--outtype", "f32", "--outfile",
+    res = run([py, top / "vendor/llama.cpp/convert_hf_to_gguf.py", model, "--outtype", outtype, "--outfile",
                str(out) + ".part"], capture_output=True, text=True, env=env)
     if res.returncode:
         return "convert: " + last_error(res.stderr + res.stdout)
