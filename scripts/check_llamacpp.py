@@ -61,6 +61,13 @@ ROWS = {
                                               "--untie-embeddings"],
     "qwen2_moe s1e7k2 calibrated": ["--format", "qwen2_moe", "--shared", "1", "--experts", "7", "--top-k", "2",
                                     "--calib", "{calib}", "--calib-tokens", "16384", "--untie-embeddings"],
+    # the presets' layouts (configs/active-50.toml: 32 experts top-16; active-25.toml: 64 top-16), carved without
+    # tuning (llama.cpp runs the layout; tuning changes values, not tensors), and the previous 50% layout, which aborts
+    "mixtral e32k16 active-50 preset, untuned": ["--preset", str(ROOT / "configs/active-50.toml"), "--calib", "{calib}",
+                                                 "--no-tune"],
+    "mixtral e64k16 active-25 preset, untuned": ["--preset", str(ROOT / "configs/active-25.toml"), "--calib", "{calib}",
+                                                 "--no-tune"],
+    "mixtral e64k32 previous 50% layout (weight-only)": ["--experts", "64", "--top-k", "32", "--weight-only"],
 }
 
 
