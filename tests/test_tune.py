@@ -91,9 +91,10 @@ def test_tuned_conversion_reports_and_verifies(tmp_path, calib_model):
 def test_corrected_feed_keeps_exactness_with_every_expert_active(tmp_path, calib_model):
     """With k = N the carved model is the dense one, so the corrected target is the dense FFN output, nothing is refit
     or tuned, and the logits are the dense logits."""
-    cfg = build_config(experts=4, top_k=4, calib_feed="corrected", tune_epochs=2, **CALIB)
+    cfg = build_config(experts=4, top_k=4, calib_feed="corrected", tune_epochs=2, tune_tokens=1024, **CALIB)
     report = run_conversion(plan_conversion(calib_model, cfg), tmp_path / "moe")
     assert not any(lay["tuned"] or lay["compensated"] for lay in report["layers"])
+    assert "tuning" not in report["calibration"]  # recovery tuning is skipped: nothing to recover
     assert max_logit_diff(calib_model, tmp_path / "moe") <= 1e-5
 
 
