@@ -192,6 +192,10 @@ def convert(
                                                    "--calib and the bundled sample; repeatable."),
     tune_router: Optional[bool] = typer.Option(None, "--tune-router/--freeze-router", help="Also train the routers "
                                                "(exported as plain Mixtral / Qwen2-MoE routers) [default: on]."),
+    tune_attention: Optional[bool] = typer.Option(None, "--tune-attention/--experts-only", help="Recovery tuning "
+                                                  "also trains every layer's attention projections and RMSNorm "
+                                                  "weights, so they adapt to the carved FFNs [default: the "
+                                                  "preset's, else off]."),
     tune_model_lr: Optional[float] = typer.Option(None, help="Recovery tuning step size, relative to each weight's "
                                                   "RMS [default: 0.003]."),
     tune_epochs: Optional[int] = typer.Option(None, help="Layer-local tuning after carving: this many passes of Adam "
@@ -245,6 +249,7 @@ def convert(
                            stats=str(stats) if stats else None, device=device, tune_epochs=tune_epochs,
                            tune_lr=tune_lr, tune_tokens=0 if no_tune else tune_tokens,
                            tune_generated=tune_generated, tune_text=tune_text, tune_router=tune_router,
+                           tune_attention=tune_attention,
                            tune_model_lr=tune_model_lr,
                            targets=None if target is None else ",".join(target))
         if no_tune:

@@ -58,6 +58,7 @@ class ConvertConfig:
     tune_tokens: int = 0  # training tokens (fresh windows of the tuning text); 0 = off
     tune_model_lr: float = 0.003  # Adam step size relative to each tensor's RMS
     tune_router: bool = True  # also train the routers (and their temperature)
+    tune_attention: bool = False  # also train attention projections and RMSNorm weights (written to OUT)
     tune_generated: float = 0.5  # share of the tuning windows sampled from the dense model itself
     tune_text: tuple[str, ...] = ()  # extra tuning text besides --calib and the bundled broad sample
 
@@ -82,7 +83,7 @@ class ConvertConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise MoeifyError(f"--{_flag(name)} must be a number, got {value!r}")
-        for name in ("untie_embeddings", "compensate", "tune_router"):
+        for name in ("untie_embeddings", "compensate", "tune_router", "tune_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise MoeifyError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.stats, str) or not all(isinstance(f, str) for f in (*self.calib, *self.tune_text)):

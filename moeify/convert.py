@@ -281,7 +281,7 @@ def _tune_model(plan: ConversionPlan, carved: dict[int, CarvedLayer], tmp: Path,
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from .distill import DistillSettings, MaskedMoE, distill, sample_text
+    from .distill import ATTENTION_TENSORS, DistillSettings, MaskedMoE, distill, sample_text
     from .numerics import resolve_device
 
     cfg, src, reader = plan.cfg, plan.src, plan.reader
@@ -304,8 +304,13 @@ def _tune_model(plan: ConversionPlan, carved: dict[int, CarvedLayer], tmp: Path,
                                                 cfg.top_k, plan.fmt, c if plan.fmt == "qwen2_moe" else None).to(device)
     train, held, text = tuning_windows(plan, calib_windows, teacher, progress)
     settings = DistillSettings(tokens=cfg.tune_tokens, lr=cfg.tune_model_lr, train_router=cfg.tune_router,
-                               seed=cfg.seed)
+                               train_attention=cfg.tune_attention, seed=cfg.seed)
     info = distill(teacher, student, train, held, settings, progress=progress)
+    if cfg.tune_attention:  # every layer's tuned attention and norms, read back when writing
+        for i in range(src.n_layers):
+            save_file({name: student.get_submodule(f"model.layers.{i}.{name}").weight.detach().to(plan.out_dtype)
+                       .contiguous().cpu() for name in ATTENTION_TENSORS},
+                      str(tmp / SPILL_DIR / f"{i}.attention.safetensors"))
     for i, layer in carved.items():
         mlp = student.model.layers[i].mlp
         if isinstance(mlp, MaskedMoE):
@@ -372,16 +377,20 @@ def _write_tensors(plan: ConversionPlan, writer: ShardWriter, carved: dict[int, 
         p = f"model.layers.{i}."
         if i + 1 < src.n_layers:
             reader.prefetch(reader.layer_tensors(i + 1))
+        attn_file = tmp / SPILL_DIR / f"{i}.attention.safetensors"  # tuned (--tune-attention)
+        tuned_attn = load_file(str(attn_file)) if attn_file.is_file() else {}
         for name in ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
                      "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight"):
-            writer.write(p + name, reader.get(p + name).to(dtype))
+            t = tuned_attn.get(name.removesuffix(".weight"))
+            writer.write(p + name, (reader.get(p + name) if t is None else t).to(dtype))
         for name, shape in attention_extras(plan.fmt, src, i):
             writer.write(name, torch.zeros(shape, dtype=dtype))
         gate, up, down = (reader.get(p + f"mlp.{n}_proj.weight") for n in ("gate", "up", "down"))
         if i in cfg.dense_layers:
             for name, t in zip(ffn_tensor_names(plan.fmt, i, cfg.experts, True, cfg.shared > 0), (gate, up, down)):
                 writer.write(name, t.to(dtype))
-            layers_report.append({"layer": i, "dense": True, **(carved[i].metrics if i in carved else {})})
+            layers_report.append({"layer": i, "dense": True, **(carved[i].metrics if i in carved else {}),
+                                  **({"attention_tuned": True} if tuned_attn else {})})
         else:
             norm = reader.get(p + "post_attention_layernorm.weight")
             layer = carved.get(i) or carve_weight_only(gate, up, down, norm, cfg)
@@ -395,7 +404,8 @@ def _write_tensors(plan: ConversionPlan, writer: ShardWriter, carved: dict[int, 
                                          shared_gate)
             for name, t in tensors.items():
                 writer.write(name, t)
-            extra = {} if shared_gate is None else {"shared_gate": shared_gate}
+            extra = ({} if shared_gate is None else {"shared_gate": shared_gate}) | (
+                {"attention_tuned": True} if tuned_attn else {})
             layers_report.append({"layer": i, "dense": False, **layer.report(), **extra})
         del gate, up, down
         if progress:

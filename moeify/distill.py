@@ -43,6 +43,7 @@ class DistillSettings:
     lr: float = 0.003  # Adam step relative to each expert tensor's RMS (and the router's)
     temp_lr: float = 0.05  # absolute Adam step of each layer's log router scale
     train_router: bool = True
+    train_attention: bool = False  # also each layer's attention projections and its two RMSNorm weights
     batch_tokens: int = 1024
     warmup_steps: int = 5
     evals: int = 6  # held-out checks over the run; the best checked weights are kept
@@ -192,10 +193,12 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
     experts = [p for m in moes for p in (m.gate, m.up, m.down)]
     routers = [m.router for m in moes] if settings.train_router else []
     temps = [m.log_scale for m in moes] if settings.train_router else []
-    params = experts + routers + temps
+    attention = attention_params(student) if settings.train_attention else []
+    params = experts + routers + temps + attention
     for p in params:
         p.requires_grad_(True)
-    groups = [{"params": [p], "lr": settings.lr * p.detach().pow(2).mean().sqrt().item()} for p in experts + routers]
+    groups = [{"params": [p], "lr": settings.lr * p.detach().pow(2).mean().sqrt().item()}
+              for p in experts + routers + attention]
     if temps:
         groups.append({"params": temps, "lr": settings.temp_lr})
     opt = torch.optim.Adam(groups, betas=(0.9, 0.99))
@@ -267,7 +270,18 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
             "passes": round(tokens / max(1, train.numel()), 3), "seconds": round(seconds, 1),
             "cpu_seconds": round(time.process_time() - cpu0 - hook_cpu, 1),
             "seconds_per_1k_tokens": round(1024 * seconds / tokens, 3), "bf16_autocast": bf16,
-            "router_trained": settings.train_router}
+            "router_trained": settings.train_router, "attention_trained": settings.train_attention}
+
+
+ATTENTION_TENSORS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                     "input_layernorm", "post_attention_layernorm")
+
+
+def attention_params(model) -> list[torch.nn.Parameter]:
+    """Each decoder layer's attention projections and its two RMSNorm weights (biases, where a model has them, stay
+    fixed), in layer order: the tensors `train_attention` tunes besides the experts."""
+    return [model.get_submodule(f"model.layers.{i}.{name}").weight
+            for i in range(len(model.model.layers)) for name in ATTENTION_TENSORS]
 
 
 # --------------------------------------------------------------------------------------- the tuning text

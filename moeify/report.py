@@ -137,7 +137,8 @@ def print_plan(console: Console, plan, out: Path) -> None:
         if cfg.tune_epochs:
             t.add_row("layer tuning", f"{cfg.tune_epochs} epoch(s), step {cfg.tune_lr:g} × weight RMS")
         if cfg.tune_tokens and cfg.top_k < cfg.experts:
-            what = "experts + routers" if cfg.tune_router else "experts"
+            what = ("experts" + (" + routers" if cfg.tune_router else "")
+                    + (" + attention and norms" if cfg.tune_attention else ""))
             t.add_row("tuning", f"distil {what} to the dense model on {cfg.tune_tokens:,} tokens "
                       f"({cfg.tune_generated:.0%} self-generated); --tune-tokens 0: off")
     if cfg.dense_layers:

@@ -24,7 +24,8 @@ Against the source (`--against SRC`):
   ~1e-6 when all is well.
 Layers whose down_proj was refit (`--compensate`) or whose expert weights were tuned (`--tune-epochs`, report.json
 `tuned`) are not the dense FFN by design: those tensors and the logits comparison are skipped and say so; the
-structure, the untouched tensors and the permutation are still checked.
+structure, the untouched tensors and the permutation are still checked. Likewise a layer whose attention and norms
+were tuned (`--tune-attention`, report.json `attention_tuned`).
 
 Written from the config, not from the converter's own tables, so a bug in one is not hidden by the other.
 """
@@ -350,9 +351,12 @@ def check_weights_against(out: Path, layout: MoeLayout, reader: CheckpointReader
     same_as_source("model.embed_tokens.weight")
     for i, entry in enumerate(report["layers"]):
         p = f"model.layers.{i}."
-        for name in ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                     "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight"):
-            same_as_source(p + name)
+        if entry.get("attention_tuned"):
+            skipped.append(f"layer {i}: attention and norms tuned (--tune-attention), not compared with the source")
+        else:
+            for name in ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                         "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight"):
+                same_as_source(p + name)
         for name in ("q_proj.bias", "k_proj.bias", "v_proj.bias"):
             if p + "self_attn." + name in layout.shapes:
                 is_zero(p + "self_attn." + name)

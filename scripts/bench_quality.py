@@ -150,11 +150,11 @@ def row_settings(row: str) -> dict:
         router, *extras = rest.split("+")
         head = {"method": method, "router": "mean-gate" if router == "oracle" else router,
                 "compensate": "refit" in extras, "oracle": router == "oracle"}
-    unknown = [e for e in extras if e not in ("refit", "corrected", "moefeed", "frozen")
+    unknown = [e for e in extras if e not in ("refit", "corrected", "moefeed", "frozen", "attn")
                and not re.fullmatch(r"(tune|gen)\d+|distill\d+k?", e)]
     if unknown:
         raise SystemExit(f"row {row!r}: unknown suffix {unknown[0]!r} (refit, corrected, moefeed, tuneN, distillN[k], "
-                         "genP (percent of self-generated tuning text), frozen)")
+                         "genP (percent of self-generated tuning text), frozen, attn (also tune attention and norms))")
     out = dict(head)
     for e in extras:
         if e.startswith("tune"):
@@ -165,6 +165,8 @@ def row_settings(row: str) -> dict:
             out["tune_generated"] = int(e[3:]) / 100
     if "frozen" in extras:
         out["tune_router"] = False
+    if "attn" in extras:
+        out["tune_attention"] = True
     feed = "corrected" if "corrected" in extras else "moe" if "moefeed" in extras else None
     if head or feed:
         out["calib_feed"] = feed

@@ -114,6 +114,44 @@ def test_whole_model_tuning_reports_kl_and_keeps_the_format(tmp_path, calib_mode
     assert any("router tuned" in s or "router," in s for s in result.skipped)
 
 
+def test_tuned_attention_is_what_the_checkpoint_computes(tmp_path, calib_model, monkeypatch):
+    """--tune-attention: the written checkpoint computes what the trained student computed (attention, norms,
+    experts and routers alike), its attention differs from the source's, and verify says why it skips them."""
+    import moeify.distill as distill_mod
+    from conftest import load
+
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
+    seen = {}
+    real = distill_mod.distill
+
+    def spy(teacher, student, train, held_out, settings, progress=None):
+        info = real(teacher, student, train, held_out, settings, progress)
+        with torch.no_grad():
+            seen["logits"] = student(ids).logits.float()
+            seen["dense"] = teacher(ids).logits.float()
+        return info
+
+    monkeypatch.setattr(distill_mod, "distill", spy)
+    cfg = build_config(experts=4, top_k=2, tune_tokens=4096, tune_generated=0.25, tune_attention=True, **CALIB)
+    report = run_conversion(plan_conversion(calib_model, cfg), tmp_path / "moe")
+    tuning = report["calibration"]["tuning"]
+    assert tuning["attention_trained"] and tuning["step_kept"] > 0, tuning
+    assert all(lay["attention_tuned"] for lay in report["layers"])
+    moe, info = load(tmp_path / "moe")
+    dense, _ = load(calib_model)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    q = "model.layers.1.self_attn.q_proj.weight"
+    assert (moe.state_dict()[q] - dense.state_dict()[q]).abs().max() > 1e-4  # attention really was tuned
+    with torch.no_grad():
+        got = moe(ids).logits.float()
+    scale = seen["logits"].abs().max().item()
+    assert (got - seen["logits"]).abs().max().item() <= 1e-4 * scale
+    assert (got - seen["dense"]).abs().max().item() > 1e-3 * scale
+    result = verify_checkpoint(tmp_path / "moe", against=calib_model)
+    assert result.problems == []
+    assert any("attention and norms tuned (--tune-attention)" in s for s in result.skipped)
+
+
 def test_tune_flags_need_a_budget_and_a_share():
     with pytest.raises(MoeifyError, match="--tune-tokens needs calibration data"):
         build_config(tune_tokens=1024)
