@@ -38,6 +38,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--active", type=float, default=0.25, help="share of the FFN neurons active per token")
     ap.add_argument("--experts", default="8,64,256")
+    ap.add_argument("--layouts", default="", help="comma-separated [sS]eEkK layouts (S shared experts' width, always "
+                    "on, E routed, top-K; as scripts/bench_quality.py) scored like --experts, instead of --active")
     ap.add_argument("--calib", type=Path, default=CORPUS)
     a = ap.parse_args()
     src = load_source(a.model)
@@ -62,13 +64,27 @@ def main() -> None:
     mask = torch.zeros_like(act, dtype=torch.bool).scatter_(1, contrib.topk(k_n, dim=1).indices, True)
     print(f"layer {a.layer}, {a.active:.1%} active: per-neuron oracle {rel((act * mask) @ down.T):.4f}")
     stats = neuron_stats(act)
-    for n_e in (int(e) for e in a.experts.split(",")):
-        k = int(a.active * n_e)
-        part = partition_from_stats("activation", stats, n_experts=n_e, n_shared=0, seed=0, kmeans_iters=8)
+    if a.layouts:
+        sys.path.insert(0, str(ROOT / "scripts"))
+        from bench_quality import active_fraction, parse_config
+
+        layouts = [parse_config(lay) | {"name": lay} for lay in a.layouts.split(",")]
+    else:
+        layouts = [{"name": f"{e} experts", "experts": int(e), "top_k": int(a.active * int(e)), "shared": 0}
+                   for e in a.experts.split(",")]
+    for lay in layouts:
+        n_e, k, s = lay["experts"], lay["top_k"], lay["shared"]
+        n_shared = act.shape[1] * s // (n_e + s)
+        part = partition_from_stats("activation", stats, n_experts=n_e, n_shared=n_shared, seed=0, kmeans_iters=8)
         norms, _ = expert_output_norms(act, down, part)
         router, _ = fit_router(x, norms, k)
-        print(f"{n_e:4d} experts top-{k:<3d} oracle router {rel(routed_output(act, norms, part, k, down)):.4f}  "
-              f"fitted router {rel(routed_output(act, x @ router.T, part, k, down)):.4f}", flush=True)
+        share = f" ({active_fraction(lay):.1%} active)" if a.layouts else ""
+        if a.layouts:  # the per-neuron oracle at this layout's share
+            k_n = round(active_fraction(lay) * act.shape[1])
+            m = torch.zeros_like(act, dtype=torch.bool).scatter_(1, contrib.topk(k_n, dim=1).indices, True)
+            share += f" per-neuron oracle {rel((act * m) @ down.T):.4f}"
+        print(f"{lay['name']:>12s} top-{k:<3d}{share} oracle router {rel(routed_output(act, norms, part, k, down)):.4f}"
+              f"  fitted router {rel(routed_output(act, x @ router.T, part, k, down)):.4f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -174,7 +174,7 @@ def row_settings(row: str) -> dict:
 
 
 def run_row(model_dir: Path, row: str, config: str, calib: Path, calib_tokens: int, evals: dict, seq_len, work: Path,
-            feed: str, tune_tokens: int | None = None, curve_at: tuple[int, ...] = ()) -> dict:
+            feed: str, tune_tokens: int | None = None, curve_at: tuple[int, ...] = (), keep: Path | None = None) -> dict:
 
     settings, shape = row_settings(row), parse_config(config)
     oracle = settings.pop("oracle", False)
@@ -213,7 +213,11 @@ def run_row(model_dir: Path, row: str, config: str, calib: Path, calib_tokens: i
     layers = [lay for lay in report["layers"] if not lay.get("dense")]
     agreement = [lay.get(f"agreement_{cfg.router}") for lay in layers if lay.get(f"agreement_{cfg.router}") is not None]
     errors = [lay["rel_error"] for lay in layers if "rel_error" in lay]
-    shutil.rmtree(out)
+    if keep:  # the written checkpoint, for engine checks after the run (scripts/check_engines.py)
+        shutil.rmtree(keep / out.name, ignore_errors=True)
+        shutil.move(str(out), str(keep / out.name))
+    else:
+        shutil.rmtree(out)
     return {"config": config, "row": row, "active": active_fraction(shape | {"experts": cfg.experts, "top_k": cfg.top_k,
                                                                              "shared": cfg.shared}),
             "ppl": ppl, "seconds": round(seconds, 2), "calib_tokens": report["calibration"].get("tokens"),
@@ -242,6 +246,8 @@ def main() -> None:
                     "score the eval texts along each row's tuning run: the tokens -> quality curve")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--json", type=Path, default=ROOT / "scripts" / "bench_quality_results.json")
+    ap.add_argument("--keep", type=Path, default=None, help="move each row's written checkpoint into this directory "
+                    "instead of deleting it")
     ap.add_argument("--append", action="store_true", help="keep the rows already in --json (same model and texts)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads or max(1, torch.get_num_threads()))
@@ -258,13 +264,15 @@ def main() -> None:
                "eval_tokens": {n: int(ids.numel()) for n, ids in evals.items()}, "seq_len": args.seq_len,
                "calib": str(args.calib), "calib_tokens": args.calib_tokens, "feed": args.feed, "dense_ppl": dense_ppl,
                "rows": []}
+    if args.keep:
+        args.keep.mkdir(parents=True, exist_ok=True)
     if args.json.is_file() and args.append:
         results["rows"] = json.loads(args.json.read_text())["rows"]
     with tempfile.TemporaryDirectory() as work:
         for config in args.configs.split(","):
             for row in args.rows.split(","):
                 r = run_row(args.model, row, config, args.calib, args.calib_tokens, evals, args.seq_len, Path(work),
-                            args.feed, args.tune_tokens, curve_at)
+                            args.feed, args.tune_tokens, curve_at, args.keep)
                 r["ratio"] = {n: r["ppl"][n] / dense_ppl[n] for n in evals}
                 results["rows"].append(r)
                 agree = f"  agreement {r['agreement']:.3f}" if r["agreement"] is not None else ""

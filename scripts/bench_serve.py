@@ -115,6 +115,9 @@ def main() -> None:
     ap.add_argument("--outtype", default="f32", help="llama.cpp converter --outtype (f32, f16, q8_0)")
     ap.add_argument("--llamacpp-new-tokens", type=int, default=64)
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--experts-impl", default="", help="comma-separated transformers experts implementations to time "
+                    "each MoE layout under (grouped_mm, batched_mm, eager; rows named LAYOUT@IMPL); default: "
+                    "what from_pretrained picks")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
@@ -122,14 +125,24 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     layouts = [lay for lay in args.layouts.split(",") if lay]
     paths = {"dense": args.model, **{lay: convert(args.model, lay, args.work) for lay in layouts}}
+    impls = {}  # row -> transformers experts implementation (LAYOUT@IMPL rows)
+    if args.experts_impl:
+        if args.llamacpp_python:
+            raise SystemExit("--experts-impl times transformers only: leave out --llamacpp-python")
+        base, paths = paths, {"dense": args.model}
+        for lay in layouts:
+            for impl in args.experts_impl.split(","):
+                paths[f"{lay}@{impl}"], impls[f"{lay}@{impl}"] = base[lay], impl
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
     ids = torch.randint(0, vocab, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
-    rows = {name: {"active": 1.0 if name == "dense" else active_fraction(parse_config(name))} for name in paths}
+    rows = {name: {"active": 1.0 if name == "dense" else active_fraction(parse_config(name.split("@")[0]))}
+            for name in paths}
     if not args.no_transformers:
         runs = {name: {"prefill": [], "full": [], "prefill_cpu": [], "full_cpu": []} for name in paths}
         for _ in range(args.rounds):  # one model resident at a time (a 1B float32 model is 4+ GB)
             for name, p in paths.items():
-                m = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()
+                kw = {"experts_implementation": impls[name]} if name in impls else {}
+                m = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32, **kw).eval()
                 timed_generate(m, ids, 2)  # warm-up
                 w1, c1 = timed_generate(m, ids, 1)
                 wn, cn = timed_generate(m, ids, args.new_tokens + 1)
