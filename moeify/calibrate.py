@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from .checkpoint import SPILL_DIR, CheckpointReader
 from .errors import MoeifyError
 from .families import SourceModel
-from .numerics import NeuronStats, ffn_activations, neuron_stats, resolve_device  # noqa: F401 (re-exported)
+from .numerics import NeuronStats, ffn_activations, neuron_stats, release_memory, resolve_device  # noqa: F401 (re-exported)
 
 # ------------------------------------------------------------------------------------------ calibration text
 
@@ -222,6 +222,7 @@ def calibrate_and_carve(plan, tmp: Path, progress=None) -> tuple[dict, dict, tor
             carved[i] = carved_layer
             model.advance(h_mid, dense_out if cfg.calib_feed == "dense" else carved_out)  # dense: = mlp(x)
         del layer, h_mid, x, act, carved_out, dense_out, target
+        release_memory()
         if progress:
             progress("calibrating", i + 1, src.n_layers)
     info = {"tokens": int(tokens.numel()), "windows": int(tokens.shape[0]), "seq_len": seq_len,

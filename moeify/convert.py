@@ -25,6 +25,7 @@ from .checkpoint import (DTYPE_NAMES, SPILL_DIR, BackgroundWriter, CheckpointRea
                          check_free_space, check_links, check_output_path, commit_output, prepare_output)
 from .config import ConvertConfig, config_to_dict, config_to_toml
 from .errors import MoeifyError
+from .numerics import release_memory
 from .carve import CarvedLayer, carve_weight_only
 from .router import SHARED_GATE_MIN, shared_gate_value
 from .families import (TOKENIZER_FILES, SourceModel, attention_extras, check_source_tensors, ffn_tensor_names,
@@ -251,7 +252,9 @@ def run_conversion(plan: ConversionPlan, out: str | Path, *, overwrite: bool = F
             if plan.cfg.dense_auto:
                 plan = with_dense_layers(plan, calib_info["dense_layers"])
             if plan.cfg.tune_tokens and plan.cfg.top_k < plan.cfg.experts:
+                release_memory()
                 calib_info["tuning"] = _tune_model(plan, carved, tmp, tokens, progress)
+                release_memory()
         writer = BackgroundWriter(ShardWriter(tmp, plan.layout), max_pending=WRITE_AHEAD_BYTES)
         layers_report = _write_tensors(plan, writer, carved, tmp, progress)
         writer.finish()
@@ -356,6 +359,7 @@ def tuning_windows(plan: ConversionPlan, calib_windows: torch.Tensor, teacher, p
         offs = torch.randint(seq - n_prompt + 1, (starts.shape[0],), generator=gen)
         prompts = torch.stack([w[o:o + n_prompt] for w, o in zip(starts, offs)])
         sampled = sample_text(teacher, prompts, seq - n_prompt, cfg.seed, progress=progress)
+        release_memory()  # the sampling's KV cache
         train.append(sampled[n_hold_gen:])
         held.append(sampled[:n_hold_gen])
         text["generated"] = {"windows": int(sampled.shape[0]), "held_out": n_hold_gen, "prompt_tokens": n_prompt}

@@ -111,35 +111,33 @@ def _autocast(device: str, mode: str):
     return torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=on), on
 
 
-def _teacher_logprobs(ht: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad(), torch.autocast(ht.device.type, enabled=False):
-        return F.log_softmax(ht.float() @ head.float().T, dim=-1)
-
-
-def _kl_chunk(hs: torch.Tensor, t: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+def _kl_chunk(hs: torch.Tensor, ht: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """Sum over the chunk's tokens of KL(teacher || student), from both models' final hidden states."""
     with torch.autocast(hs.device.type, enabled=False):
+        with torch.no_grad():
+            t = F.log_softmax(ht.float() @ head.float().T, dim=-1)
         s = F.log_softmax(hs.float() @ head.float().T, dim=-1)
         return (t.exp() * (t - s)).sum()
 
 
-CHECKPOINT_BYTES = 1 << 30  # above this many bytes of student logits per batch, recompute them in backward
+CHECKPOINT_BYTES = 1 << 28  # above this many bytes of student logits per batch, recompute them in backward
 
 
 def chunked_kl(hs: torch.Tensor, ht: torch.Tensor, head: torch.Tensor, chunk: int) -> torch.Tensor:
     """Mean over tokens of KL(teacher || student) from the final hidden states (n, d) and the output head (V, d),
-    `chunk` tokens at a time, so at most one chunk of teacher log-probabilities is held. With gradients, autograd
-    keeps each chunk's student log-probabilities for the backward pass, unless the whole batch's would exceed
-    CHECKPOINT_BYTES: then each chunk's logits are recomputed in backward (activation checkpointing), and memory
-    stays bounded at any vocabulary and batch size."""
+    `chunk` tokens at a time, so at most one chunk of log-probabilities is held. With gradients, autograd would keep
+    each chunk's student and teacher probabilities (about 3 x chunk x V floats) for the backward pass; when the
+    whole batch's would exceed CHECKPOINT_BYTES, each chunk's logits are recomputed from the hidden states in
+    backward instead (activation checkpointing: two more head products per chunk, a few percent of a step), so
+    memory stays bounded at any vocabulary and batch size."""
     hs, ht = hs.reshape(-1, hs.shape[-1]), ht.reshape(-1, ht.shape[-1]).detach()
     recompute = hs.requires_grad and 2 * hs.shape[0] * head.shape[0] * 4 > CHECKPOINT_BYTES
     total = hs.new_zeros((), dtype=torch.float32)
     for s in range(0, hs.shape[0], chunk):
-        t = _teacher_logprobs(ht[s:s + chunk], head)
         if recompute:
-            total = total + checkpoint(_kl_chunk, hs[s:s + chunk], t, head, use_reentrant=False)
+            total = total + checkpoint(_kl_chunk, hs[s:s + chunk], ht[s:s + chunk], head, use_reentrant=False)
         else:
-            total = total + _kl_chunk(hs[s:s + chunk], t, head)
+            total = total + _kl_chunk(hs[s:s + chunk], ht[s:s + chunk], head)
     return total / hs.shape[0]
 
 

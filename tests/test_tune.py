@@ -234,3 +234,29 @@ def test_distill_starts_at_the_carved_model_and_lowers_held_out_kl():
     assert [s for s, _ in info["holdout_curve"]] == [0, 5, 10, 15, 20]
     kept = min(k for _, k in info["holdout_curve"])
     assert info["holdout_kl_after"] == pytest.approx(kept, rel=1e-4)
+
+
+def test_chunked_kl_recomputes_in_backward_with_the_same_gradient(monkeypatch):
+    """The KL and its gradient are the same whether each chunk's logits are kept for backward or recomputed
+    (activation checkpointing above CHECKPOINT_BYTES), and equal the unchunked KL."""
+    import torch.nn.functional as F
+
+    import moeify.distill as distill_mod
+
+    gen = torch.Generator().manual_seed(0)
+    head = torch.randn(50, 8, generator=gen)
+    ht = torch.randn(21, 8, generator=gen)
+    hs0 = torch.randn(21, 8, generator=gen)
+    t, s = F.log_softmax(ht @ head.T, -1), F.log_softmax(hs0 @ head.T, -1)
+    reference = (t.exp() * (t - s)).sum(-1).mean()
+    results = []
+    for limit in (1 << 40, 0):  # never / always recompute
+        monkeypatch.setattr(distill_mod, "CHECKPOINT_BYTES", limit)
+        hs = hs0.clone().requires_grad_(True)
+        loss = distill_mod.chunked_kl(hs, ht, head, chunk=4)
+        loss.backward()
+        results.append((loss.item(), hs.grad.clone()))
+    assert results[0][0] == pytest.approx(reference.item(), rel=1e-5)
+    assert results[1][0] == pytest.approx(results[0][0], rel=1e-6)
+    assert torch.allclose(results[0][1], results[1][1], rtol=1e-5, atol=1e-7)
+    assert results[0][1].abs().max() > 1e-3
