@@ -8,7 +8,7 @@ DIR`): greedy decoding of --new-tokens tokens after the same --prompt-tokens tok
 WikiText-2 valid by default), in transformers (AutoModelForCausalLM, CPU float32) and in llama.cpp (its own
 `convert_hf_to_gguf.py` from the pinned llama-cpp-python sdist, --outtype f32, run by the prebuilt `xllamacpp`
 server with the prompt given as token ids). It reports whether each engine loaded and ran the model, and how many
-generated tokens agree before the first difference. Greedy decoding of a model whose top-2 next tokens are close
+of transformers' generated tokens llama.cpp's text reproduces before the first difference. Greedy decoding of a model whose top-2 next tokens are close
 can part after a few tokens under float32 rounding differences alone; the dense row shows what that looks like.
 vLLM is not run here (it needs a GPU); README "Serving the output on vLLM" says what its code loads.
 """
@@ -31,18 +31,19 @@ import check_llamacpp as llc  # noqa: E402
 RUNNER = """
 import json, sys
 import xllamacpp as x
-gguf, ids, n_new = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+gguf, ids, n_new, kv = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 p = x.CommonParams()
+if kv == "f32":  # llama.cpp's default KV cache is F16: its rounding alone can flip an MoE's near-tied routing
+    p.cache_type_k = p.cache_type_v = x.ggml_type.GGML_TYPE_F32
 p.model.path = gguf
 p.n_ctx = 1024
 p.cpuparams.n_threads = 1
 p.cpuparams_batch.n_threads = 1
 p.n_parallel = 1
 s = x.Server(p)
-req = {"prompt": ids, "n_predict": n_new, "temperature": 0, "top_k": 1, "ignore_eos": True, "cache_prompt": False,
-       "return_tokens": True}
+req = {"prompt": ids, "n_predict": n_new, "temperature": 0, "top_k": 1, "ignore_eos": True, "cache_prompt": False}
 r = s.handle_completions(req)
-print("RESULT " + json.dumps({"tokens": r.get("tokens"), "content": r.get("content")}), flush=True)
+print("RESULT " + json.dumps({"text": r["choices"][0]["text"]}), flush=True)
 """
 
 
@@ -57,7 +58,7 @@ def transformers_greedy(path: Path, ids: list[int], n_new: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def llamacpp_greedy(path: Path, ids: list[int], n_new: int, args) -> tuple[list[int] | None, str]:
+def llamacpp_greedy(path: Path, ids: list[int], n_new: int, args) -> tuple[str | None, str]:
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
     top, py = llc.fetch_llamacpp(work, llc.PIN), llc.converter_python(work)
@@ -67,19 +68,21 @@ def llamacpp_greedy(path: Path, ids: list[int], n_new: int, args) -> tuple[list[
         return None, err
     runner = work / "greedy_runner.py"
     runner.write_text(RUNNER)
-    res = subprocess.run([str(args.llamacpp_python), str(runner), str(gguf), json.dumps(ids), str(n_new)],
+    res = subprocess.run([str(args.llamacpp_python), str(runner), str(gguf), json.dumps(ids), str(n_new), args.kv],
                          capture_output=True, text=True)
     line = next((ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if res.returncode or line is None:
         text = res.stderr + res.stdout
         assert_line = next((ln.strip() for ln in text.splitlines() if "GGML_ASSERT" in ln), None)
         return None, "aborts: " + (assert_line or llc.last_error(text))
-    return json.loads(line[len("RESULT "):])["tokens"], "ok"
+    return json.loads(line[len("RESULT "):])["text"], "ok"
 
 
-def agree(a: list[int], b: list[int]) -> int:
+def agree(tok, hf: list[int], text: str) -> int:
+    """How many of transformers' generated tokens llama.cpp's text reproduces before the first difference (the
+    server returns text, not token ids: the longest run of transformers' tokens whose decoding starts its text)."""
     n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
+    while n < len(hf) and text.startswith(tok.decode(hf[:n + 1])):
         n += 1
     return n
 
@@ -91,6 +94,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--llamacpp-python", type=Path, required=True, help="a Python with xllamacpp installed")
+    ap.add_argument("--kv", default="f32", choices=("f32", "f16"), help="llama.cpp's KV cache type (its default: f16)")
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "serve" / "llamacpp")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -103,11 +107,12 @@ def main() -> None:
     for path in args.models:
         hf = transformers_greedy(path, ids, args.new_tokens)
         cpp, status = llamacpp_greedy(path, ids, args.new_tokens, args)
-        rows.append({"model": str(path), "llama.cpp": status, "transformers_tokens": hf, "llamacpp_tokens": cpp,
-                     "agree": None if cpp is None else agree(hf, cpp),
-                     "transformers_text": tok.decode(hf), "llamacpp_text": None if cpp is None else tok.decode(cpp)})
+        rows.append({"model": str(path), "llama.cpp": status, "transformers_tokens": hf,
+                     "agree": None if cpp is None else agree(tok, hf, cpp),
+                     "transformers_text": tok.decode(hf), "llamacpp_text": cpp})
         print(json.dumps({k: rows[-1][k] for k in ("model", "llama.cpp", "agree")}), flush=True)
-    print(f"greedy, {args.new_tokens} tokens after {len(ids)} prompt tokens; transformers CPU float32 vs llama.cpp f32")
+    print(f"greedy, {args.new_tokens} tokens after {len(ids)} prompt tokens; transformers CPU float32 vs llama.cpp f32 "
+          f"weights, {args.kv} KV cache")
     print("| model | transformers | llama.cpp | same tokens before the first difference |")
     print("|---|---|---|---:|")
     for r in rows:
