@@ -53,8 +53,14 @@ def engine_notes(fmt: str, top_k: int, experts: int, shared_width: int, padded_w
             notes.append(EngineNote("llama.cpp", True, "its qwen2moe expects a shared expert",
                                     "use --format mixtral or --shared S"))
         if head_dim * heads != hidden:
+            fix = "use --format mixtral"
+            if shared_width:  # the Mixtral layout with the same share of neurons active, top-k within llama.cpp's
+                slices = shared_width / padded_width
+                share = (top_k + slices) / (experts + slices)
+                fix = (f"use --format mixtral --shared 0 --experts {round(LLAMACPP_MAX_TOPK / share)} --top-k "
+                       f"{LLAMACPP_MAX_TOPK} (the same {share:.0%} active), or --target transformers,llama.cpp")
             notes.append(EngineNote("vllm", True, f"its Qwen2-MoE assumes head_dim = hidden / heads "
-                                    f"({hidden // heads}), the source has {head_dim}", "use --format mixtral"))
+                                    f"({hidden // heads}), the source has {head_dim}", fix))
     if padded_width % 32:
         notes.append(EngineNote("llama.cpp", False, f"expert width {padded_width} is not a multiple of 32: Q8_0/Q4_0 "
                                 "fall back to a wider type for the experts", "--pad-experts-to 32, or fewer experts"))

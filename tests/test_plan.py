@@ -249,6 +249,11 @@ def test_engine_notes_name_what_fails_and_the_fix():
     qwen = engine_notes("qwen2_moe", 8, 48, 0, 32, True, 1, 128, 576, 9)
     assert {(n.engine, n.fails) for n in qwen} == {("llama.cpp", True), ("vllm", True)}
     assert {n.fix for n in qwen} >= {"pass --untie-embeddings", "leave out --dense-layers", "use --format mixtral"}
+    # a shared-expert layout (the 50% preset: 16 shared slices + 48 routed top-16) on a source whose head_dim is not
+    # hidden / heads: the fix names the Mixtral layout with the same share active and a top-k llama.cpp runs
+    shared = engine_notes("qwen2_moe", 16, 48, 16 * 24, 24, False, 0, 128, 576, 9)
+    assert [(n.engine, n.fails) for n in shared if n.fails] == [("vllm", True)]
+    assert "--format mixtral --shared 0 --experts 32 --top-k 16 (the same 50% active)" in shared[0].fix
 
 
 @pytest.fixture(scope="module")
