@@ -136,9 +136,11 @@ class LayerwiseModel:
     def _mask(self, h: torch.Tensor):
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+        import inspect
+
         fn = create_sliding_window_causal_mask if getattr(self.config, "sliding_window", None) else create_causal_mask
-        return fn(config=self.config, inputs_embeds=h, attention_mask=None, past_key_values=None,
-                  position_ids=self.position_ids)
+        no_cache = {"cache" if "cache" in inspect.signature(fn).parameters else "past_key_values": None}  # 5.24 renamed it
+        return fn(config=self.config, inputs_embeds=h, attention_mask=None, position_ids=self.position_ids, **no_cache)
 
     @torch.no_grad()
     def attention(self, layer: torch.nn.Module, hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
