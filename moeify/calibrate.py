@@ -8,6 +8,7 @@ output) is what the carving statistics, router fitting and down-projection refit
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -135,8 +136,6 @@ class LayerwiseModel:
 
     def _mask(self, h: torch.Tensor):
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-        import inspect
 
         fn = create_sliding_window_causal_mask if getattr(self.config, "sliding_window", None) else create_causal_mask
         no_cache = {"cache" if "cache" in inspect.signature(fn).parameters else "past_key_values": None}  # 5.24 renamed it

@@ -284,7 +284,7 @@ def _tune_model(plan: ConversionPlan, carved: dict[int, CarvedLayer], tmp: Path,
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from .distill import ATTENTION_TENSORS, DistillSettings, MaskedMoE, distill, sample_text
+    from .distill import ATTENTION_TENSORS, DistillSettings, MaskedMoE, distill
     from .numerics import resolve_device
 
     cfg, src, reader = plan.cfg, plan.src, plan.reader

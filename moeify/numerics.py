@@ -4,6 +4,10 @@ but errors, so every stage can use it without import cycles."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
+import os
 from dataclasses import dataclass
 
 import torch
@@ -24,12 +28,6 @@ def release_memory() -> None:
     """Hand freed heap memory back to the operating system between stages (glibc keeps freed blocks of a large
     stage's tensors in its arenas, so the process's RSS would carry one stage's peak into the next). A no-op where
     the C library has no malloc_trim, or with MOEIFY_MALLOC_TRIM=0 (to measure what it saves)."""
-    import ctypes
-    import ctypes.util
-    import gc
-
-    import os
-
     gc.collect()
     if os.environ.get("MOEIFY_MALLOC_TRIM") == "0":
         return

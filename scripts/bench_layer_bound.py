@@ -78,11 +78,11 @@ def main() -> None:
         part = partition_from_stats("activation", stats, n_experts=n_e, n_shared=n_shared, seed=0, kmeans_iters=8)
         norms, _ = expert_output_norms(act, down, part)
         router, _ = fit_router(x, norms, k)
-        share = f" ({active_fraction(lay):.1%} active)" if a.layouts else ""
-        if a.layouts:  # the per-neuron oracle at this layout's share
+        share = ""
+        if a.layouts:  # this layout's share of neurons active, and the per-neuron oracle at that share
             k_n = round(active_fraction(lay) * act.shape[1])
             m = torch.zeros_like(act, dtype=torch.bool).scatter_(1, contrib.topk(k_n, dim=1).indices, True)
-            share += f" per-neuron oracle {rel((act * m) @ down.T):.4f}"
+            share = f" ({active_fraction(lay):.1%} active) per-neuron oracle {rel((act * m) @ down.T):.4f}"
         print(f"{lay['name']:>12s} top-{k:<3d}{share} oracle router {rel(routed_output(act, norms, part, k, down)):.4f}"
               f"  fitted router {rel(routed_output(act, x @ router.T, part, k, down)):.4f}", flush=True)
 
