@@ -280,11 +280,12 @@ def _tune_model(plan: ConversionPlan, carved: dict[int, CarvedLayer], tmp: Path,
                 progress: Progress | None) -> dict:
     """Whole-model tuning (--tune-tokens): the carved layers' expert weights and routers are distilled towards the
     dense model's next-token distributions on a stream of fresh tokens (moeify.distill), then spilled like the
-    refit weights. Holds the model twice (teacher and student) on --device: for 7B+ models that needs a GPU."""
+    refit weights. Holds the dense model and the student's FFNs (the rest is shared) on --device: for 7B+ models that
+    needs a GPU."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from .distill import ATTENTION_TENSORS, DistillSettings, MaskedMoE, distill
+    from .distill import ATTENTION_TENSORS, DistillSettings, MaskedMoE, _autocast, distill, share_frozen
     from .numerics import resolve_device
 
     cfg, src, reader = plan.cfg, plan.src, plan.reader
@@ -295,6 +296,7 @@ def _tune_model(plan: ConversionPlan, carved: dict[int, CarvedLayer], tmp: Path,
     except OSError as exc:
         raise MoeifyError(f"--tune-tokens cannot load {src.path} ({exc.__class__.__name__})",
                           "whole-model tuning needs safetensors weights; use --tune-tokens 0") from None
+    train, held, text = tuning_windows(plan, calib_windows, teacher, progress)  # sampling before the student exists
     student = copy.deepcopy(teacher)  # the same weights, without reading the checkpoint a second time
     for i, layer in carved.items():
         if i in cfg.dense_layers:
@@ -305,9 +307,11 @@ def _tune_model(plan: ConversionPlan, carved: dict[int, CarvedLayer], tmp: Path,
         c = shared_gate_value(reader.get(f"model.layers.{i}.post_attention_layernorm.weight"), cfg.gate_tolerance)
         student.model.layers[i].mlp = MaskedMoE(gate, up, down, layer.router, layer.scale, layer.part.labels(),
                                                 cfg.top_k, plan.fmt, c if plan.fmt == "qwen2_moe" else None).to(device)
-    train, held, text = tuning_windows(plan, calib_windows, teacher, progress)
     settings = DistillSettings(tokens=cfg.tune_tokens, lr=cfg.tune_model_lr, train_router=cfg.tune_router,
                                train_attention=cfg.tune_attention, seed=cfg.seed)
+    share_frozen(teacher, student, cfg.tune_attention,
+                 torch.bfloat16 if _autocast(str(device), settings.autocast)[1] else None)
+    release_memory()  # the student's copies of what it now shares
     info = distill(teacher, student, train, held, settings, progress=progress)
     if cfg.tune_attention:  # every layer's tuned attention and norms, read back when writing
         for i in range(src.n_layers):

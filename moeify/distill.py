@@ -18,8 +18,12 @@ Why these choices (BENCHMARKS.md, "Recovery tuning", has the measurements):
   scale, starting at the carve's unit-gate scale, so step 0 is exactly the carved model). The gate weights are the
   format's own softmax weights, so whatever is learned is what Mixtral / Qwen2-MoE compute; the top-k choice has no
   gradient, as in any trained MoE, but the weights of the chosen experts do, and the router rows move the choice.
-- Memory bounded at any vocabulary: the KL is computed over chunks of tokens, and when a batch's logits would be
-  large each chunk's are recomputed in the backward pass (activation checkpointing).
+- Memory bounded at any vocabulary: the KL is computed over chunks of tokens, each chunk's gradient with respect
+  to the student's hidden states in closed form in the forward pass (softmax(student) - softmax(teacher), times the
+  head), so no (tokens, vocabulary) tensor is kept for backward and a step costs three head products per chunk.
+  The model is held about once: the student uses the teacher's own frozen modules (share_frozen), the teacher's
+  FFNs are stored in bf16 when autocast would cast them anyway, a step's windows go through forward + backward one
+  at a time (gradients accumulate), and the best checked weights wait on disk, not in memory.
 - bf16 autocast for both models where the hardware has fast bf16 (AVX512-BF16 / AMX CPUs, any recent GPU); the
   router logits, the softmax and the KL stay in float32.
 """
@@ -27,12 +31,14 @@ Why these choices (BENCHMARKS.md, "Recovery tuning", has the measurements):
 from __future__ import annotations
 
 import math
+import tempfile
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+
+from safetensors.torch import load_file, save_file
 
 from .tune import masked_ffn
 
@@ -45,6 +51,7 @@ class DistillSettings:
     train_router: bool = True
     train_attention: bool = False  # also each layer's attention projections and its two RMSNorm weights
     batch_tokens: int = 1024
+    micro_windows: int = 1  # windows per forward + backward (gradients accumulate over a step's micro-batches)
     warmup_steps: int = 5
     evals: int = 6  # held-out checks over the run; the best checked weights are kept
     autocast: str = "auto"  # auto | bf16 | off
@@ -111,33 +118,49 @@ def _autocast(device: str, mode: str):
     return torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=on), on
 
 
-def _kl_chunk(hs: torch.Tensor, ht: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-    """Sum over the chunk's tokens of KL(teacher || student), from both models' final hidden states."""
-    with torch.autocast(hs.device.type, enabled=False):
+class _ChunkKL(torch.autograd.Function):
+    """Sum over a chunk's tokens of KL(teacher || student) from both models' final hidden states, with the gradient
+    computed in the forward pass: d KL / d student logits = softmax(student) - softmax(teacher), so d KL / d hs =
+    (p_s - p_t) @ head. Only that (chunk, d) gradient is kept for backward, not the chunk's (chunk, V) logits: memory
+    stays bounded at any vocabulary, and a step costs three head products per chunk (teacher, student, gradient)
+    instead of the four or five of autograd with kept or recomputed logits. The logits, softmax and KL are float32;
+    the gradient product runs in head_g's dtype (head cast to bf16 under bf16 autocast, like the rest of the backward
+    pass; head itself otherwise)."""
+
+    @staticmethod
+    def forward(ctx, hs, ht, head, head_g):
         with torch.no_grad():
             t = F.log_softmax(ht.float() @ head.float().T, dim=-1)
-        s = F.log_softmax(hs.float() @ head.float().T, dim=-1)
-        return (t.exp() * (t - s)).sum()
+            s = F.log_softmax(hs.float() @ head.float().T, dim=-1)
+            pt = t.exp()
+            kl = (pt * (t - s)).sum()
+            if ctx.needs_input_grad[0] or ctx.needs_input_grad[2]:
+                del t
+                diff = s.exp_().sub_(pt)  # (chunk, V): p_s - p_t, in place of the student's log-probabilities
+                del pt
+                g_hs = (diff.to(head_g.dtype) @ head_g).to(hs.dtype) if ctx.needs_input_grad[0] else None
+                g_head = (diff.T @ hs.float()).to(head.dtype) if ctx.needs_input_grad[2] else None
+                ctx.save_for_backward(g_hs, g_head)
+        return kl
 
-
-CHECKPOINT_BYTES = 1 << 28  # above this many bytes of student logits per batch, recompute them in backward
+    @staticmethod
+    def backward(ctx, grad):
+        g_hs, g_head = ctx.saved_tensors
+        return (None if g_hs is None else grad * g_hs), None, (None if g_head is None else grad * g_head), None
 
 
 def chunked_kl(hs: torch.Tensor, ht: torch.Tensor, head: torch.Tensor, chunk: int) -> torch.Tensor:
     """Mean over tokens of KL(teacher || student) from the final hidden states (n, d) and the output head (V, d),
-    `chunk` tokens at a time, so at most one chunk of log-probabilities is held. With gradients, autograd would keep
-    each chunk's student and teacher probabilities (about 3 x chunk x V floats) for the backward pass; when the
-    whole batch's would exceed CHECKPOINT_BYTES, each chunk's logits are recomputed from the hidden states in
-    backward instead (activation checkpointing: two more head products per chunk, a few percent of a step), so
-    memory stays bounded at any vocabulary and batch size."""
+    `chunk` tokens at a time, so at most one chunk of log-probabilities is held (in the forward pass only: each
+    chunk's gradient is computed there, see _ChunkKL)."""
     hs, ht = hs.reshape(-1, hs.shape[-1]), ht.reshape(-1, ht.shape[-1]).detach()
-    recompute = hs.requires_grad and 2 * hs.shape[0] * head.shape[0] * 4 > CHECKPOINT_BYTES
-    total = hs.new_zeros((), dtype=torch.float32)
-    for s in range(0, hs.shape[0], chunk):
-        if recompute:
-            total = total + checkpoint(_kl_chunk, hs[s:s + chunk], ht[s:s + chunk], head, use_reentrant=False)
-        else:
-            total = total + _kl_chunk(hs[s:s + chunk], ht[s:s + chunk], head)
+    dev = hs.device.type
+    grad_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else torch.float32
+    head_g = head.detach().to(grad_dtype) if hs.requires_grad else head  # cast once, not per chunk
+    with torch.autocast(dev, enabled=False):
+        total = hs.new_zeros((), dtype=torch.float32)
+        for s in range(0, hs.shape[0], chunk):
+            total = total + _ChunkKL.apply(hs[s:s + chunk], ht[s:s + chunk], head, head_g)
     return total / hs.shape[0]
 
 
@@ -165,6 +188,23 @@ class WindowStream:
             out.append(self.windows[self.order[self.pos:self.pos + m]])
             self.pos, n = self.pos + m, n - m
         return torch.cat(out)
+
+
+def accumulate_kl(teacher, student, batch: torch.Tensor, head: torch.Tensor, ctx, settings: DistillSettings) -> float:
+    """One step's gradients: the teacher's forward, the student's forward and backward and the chunked KL, one
+    micro-batch of windows at a time (activations of one micro-batch held), gradients accumulated into .grad.
+    Returns the step's mean KL."""
+    device, step_kl = next(student.parameters()).device, 0.0
+    for micro in batch.split(max(1, settings.micro_windows)):
+        micro = micro.to(device)
+        with ctx:
+            with torch.no_grad():
+                target = final_hidden(teacher, micro)
+            loss = chunked_kl(final_hidden(student, micro), target, head, settings.kl_chunk) * (
+                micro.shape[0] / batch.shape[0])
+        loss.backward()
+        step_kl += loss.item()
+    return step_kl
 
 
 _STEP_HOOK = None
@@ -225,7 +265,14 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
     stream = WindowStream(train, settings.seed)
     checks = sorted({max(1, round(total * (i + 1) / settings.evals)) for i in range(settings.evals)})
     before = best = held_kl()
-    best_state, best_step, curve = [p.detach().cpu().clone() for p in params], 0, [(0, before)]
+    kept_dir = tempfile.TemporaryDirectory(prefix="moeify-distill-")  # the best checked weights, on disk not in RAM
+    kept = f"{kept_dir.name}/kept.safetensors"
+
+    def keep() -> None:
+        save_file({str(j): p.detach().contiguous().cpu() for j, p in enumerate(params)}, kept)
+
+    keep()
+    best_step, curve = 0, [(0, before)]
     train_kl, ema, t0 = float("nan"), None, time.time()
     cpu0, hook_s, hook_cpu = time.process_time(), 0.0, 0.0
     if _STEP_HOOK is not None:  # the carved model, before any step
@@ -233,22 +280,17 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
         _STEP_HOOK(student, 0, 0)
         hook_s, hook_cpu = time.time() - h0, time.process_time() - hc0
     for step in range(1, total + 1):
-        batch = stream.take(per_step).to(device)
-        with ctx:
-            with torch.no_grad():
-                target = final_hidden(teacher, batch)
-            loss = chunked_kl(final_hidden(student, batch), target, head, settings.kl_chunk)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        step_kl = accumulate_kl(teacher, student, stream.take(per_step), head, ctx, settings)
         opt.step()
         sched.step()
-        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        ema = step_kl if ema is None else 0.95 * ema + 0.05 * step_kl
         if step in checks:
             kl = held_kl()
             curve.append((step, kl))
             if kl < best:
                 best, best_step = kl, step
-                best_state = [p.detach().cpu().clone() for p in params]
+                keep()
         if progress:
             progress("tuning", step, total, f"train KL {ema:.3f}, held-out {curve[-1][1]:.3f}")
         if _STEP_HOOK is not None:  # its time is not tuning time
@@ -256,9 +298,12 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
             _STEP_HOOK(student, step, step * per_step * seq)
             hook_s, hook_cpu = hook_s + time.time() - h0, hook_cpu + time.process_time() - hc0
     train_kl = ema
+    del opt, sched  # the Adam state, before the kept weights are read back
+    state = load_file(kept)
+    kept_dir.cleanup()
     with torch.no_grad():
-        for p, kept in zip(params, best_state):
-            p.copy_(kept.to(p.device))
+        for j, p in enumerate(params):
+            p.copy_(state.pop(str(j)).to(p.device))
             p.requires_grad_(False)
     seconds = time.time() - t0 - hook_s
     tokens = total * per_step * seq
@@ -269,6 +314,35 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
             "cpu_seconds": round(time.process_time() - cpu0 - hook_cpu, 1),
             "seconds_per_1k_tokens": round(1024 * seconds / tokens, 3), "bf16_autocast": bf16,
             "router_trained": settings.train_router, "attention_trained": settings.train_attention}
+
+
+def share_frozen(teacher, student, train_attention: bool, lowp: torch.dtype | None = None) -> int:
+    """Make the student use the teacher's own modules for everything tuning leaves frozen (embeddings, output head,
+    final norm, and unless train_attention each layer's attention and norms), so the model is not held twice; with
+    lowp (bf16 when distill runs under bf16 autocast) also store the teacher's FFN weights in that dtype: autocast
+    casts them to it at every call anyway, so the teacher's outputs are bit-identical and its FFNs take half the
+    memory. Returns the bytes the student no longer holds."""
+    def nbytes(m):
+        return sum(t.numel() * t.element_size() for t in {id(t): t for t in m.parameters()}.values())
+
+    before = nbytes(student)
+    for name, child in list(teacher.model.named_children()):
+        if name != "layers":
+            setattr(student.model, name, child)
+    student.lm_head = teacher.lm_head
+    if not train_attention:
+        for t_layer, s_layer in zip(teacher.model.layers, student.model.layers):
+            for name, child in list(t_layer.named_children()):
+                if name != "mlp":
+                    setattr(s_layer, name, child)
+    if lowp is not None:  # only the teacher's own FFNs: the shared modules are also run outside autocast
+        for layer in teacher.model.layers:
+            for m in layer.mlp.modules():
+                if isinstance(m, torch.nn.Linear):
+                    m.to(lowp)
+    shared = {id(p) for p in teacher.parameters()}
+    return before - sum(p.numel() * p.element_size() for p in
+                        {id(p): p for p in student.parameters() if id(p) not in shared}.values())
 
 
 ATTENTION_TENSORS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

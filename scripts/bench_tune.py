@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moeify.distill import DistillSettings, MaskedMoE, _autocast, chunked_kl, final_hidden, sample_text  # noqa: E402
+from moeify.distill import DistillSettings, MaskedMoE, _autocast, accumulate_kl, sample_text, share_frozen  # noqa: E402
 
 
 def timed(fn, repeats: int) -> tuple[float, float]:
@@ -70,24 +70,23 @@ def main() -> None:
     opt = torch.optim.Adam(params, lr=1e-6)
     ids = torch.randint(0, teacher.config.vocab_size, (1024 // args.seq_len, args.seq_len), generator=gen)
     ctx, bf16 = _autocast("cpu", DistillSettings(tokens=0).autocast)
+    share_frozen(teacher, student, train_attention=False, lowp=torch.bfloat16 if bf16 else None)  # as convert does
 
     def dense_step():
         dense.zero_grad(set_to_none=True)
         dense(ids, labels=ids).loss.backward()
 
-    def tune_step():
-        with ctx:
-            with torch.no_grad():
-                target = final_hidden(teacher, ids)
-            loss = chunked_kl(final_hidden(student, ids), target, student.lm_head.weight, 256)
+    settings = DistillSettings(tokens=0)
+
+    def tune_step():  # what moeify.distill does per step
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        accumulate_kl(teacher, student, ids, student.lm_head.weight, ctx, settings)
         opt.step()
 
     prompts = torch.randint(0, teacher.config.vocab_size, (64, 16), generator=gen)
 
     def sample():
-        sample_text(teacher, prompts, 112, 0)  # 64 x 112 = 7 x 1,024 new tokens
+        sample_text(dense, prompts, 112, 0)  # 64 x 112 = 7 x 1,024 new tokens (convert samples before tuning)
 
     rows = {}
     for name, fn in (("dense forward + backward (CE)", dense_step), ("tuning step (KL distillation)", tune_step),
@@ -103,7 +102,7 @@ def main() -> None:
     import resource
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    print(f"peak RSS of this process (teacher, dense copy, student, Adam state): {peak:.2f} GB")
+    print(f"peak RSS of this process (teacher, dense copy, student's FFNs, Adam state): {peak:.2f} GB")
     if args.json:
         args.json.write_text(json.dumps({"threads": args.threads, "experts": args.experts, "top_k": args.top_k,
                                          "bf16": bf16, "rows": {k: {"wall": w, "cpu": c} for k, (w, c) in
