@@ -28,7 +28,7 @@ from .errors import MoeifyError
 from .numerics import release_memory
 from .carve import CarvedLayer, carve_weight_only
 from .router import SHARED_GATE_MIN, shared_gate_value
-from .families import (TOKENIZER_FILES, SourceModel, attention_extras, check_source_tensors, ffn_tensor_names,
+from .families import (ATTENTION_TENSORS, TOKENIZER_FILES, SourceModel, attention_extras, check_source_tensors, ffn_tensor_names,
                        load_source, routed_factor, target_config)
 from .partition import Partition, valid_expert_counts
 
@@ -157,8 +157,7 @@ def _output_tensors(src: SourceModel, reader: CheckpointReader, fmt: str, cfg: C
     out = [TensorInfo("model.embed_tokens.weight", dtype, (src.vocab, h))]
     for i in range(src.n_layers):
         p = f"model.layers.{i}."
-        for name in ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                     "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight"):
+        for name in (n + ".weight" for n in ATTENTION_TENSORS):
             out.append(TensorInfo(p + name, dtype, reader.tensors[p + name].shape))
         out += [TensorInfo(n, dtype, s) for n, s in attention_extras(fmt, src, i)]
         dense = i in cfg.dense_layers
@@ -285,7 +284,7 @@ def _tune_model(plan: ConversionPlan, carved: dict[int, CarvedLayer], tmp: Path,
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from .distill import ATTENTION_TENSORS, DistillSettings, MaskedMoE, _autocast, distill, share_frozen
+    from .distill import DistillSettings, MaskedMoE, _autocast, distill, share_frozen
     from .numerics import resolve_device
 
     cfg, src, reader = plan.cfg, plan.src, plan.reader
@@ -387,8 +386,7 @@ def _write_tensors(plan: ConversionPlan, writer: ShardWriter, carved: dict[int, 
             reader.prefetch(reader.layer_tensors(i + 1))
         attn_file = tmp / SPILL_DIR / f"{i}.attention.safetensors"  # tuned (--tune-attention)
         tuned_attn = load_file(str(attn_file)) if attn_file.is_file() else {}
-        for name in ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                     "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight"):
+        for name in (n + ".weight" for n in ATTENTION_TENSORS):
             t = tuned_attn.get(name.removesuffix(".weight"))
             writer.write(p + name, (reader.get(p + name) if t is None else t).to(dtype))
         for name, shape in attention_extras(plan.fmt, src, i):

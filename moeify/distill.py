@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from safetensors.torch import load_file, save_file
 
+from .families import ATTENTION_TENSORS
 from .tune import masked_ffn
 
 
@@ -343,10 +344,6 @@ def share_frozen(teacher, student, train_attention: bool, lowp: torch.dtype | No
     shared = {id(p) for p in teacher.parameters()}
     return before - sum(p.numel() * p.element_size() for p in
                         {id(p): p for p in student.parameters() if id(p) not in shared}.values())
-
-
-ATTENTION_TENSORS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                     "input_layernorm", "post_attention_layernorm")
 
 
 def attention_params(model) -> list[torch.nn.Parameter]:

@@ -21,6 +21,10 @@ from .checkpoint import DTYPE_NAMES, TensorInfo
 from .errors import MoeifyError
 
 SOURCE_TYPES = ("llama", "mistral")
+# Each decoder layer's attention projections and RMSNorm weights (`NAME.weight`), in the order the output is written:
+# copied from the source, or tuned with --tune-attention.
+ATTENTION_TENSORS = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                     "post_attention_layernorm")
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "dbrx", "olmoe", "granitemoe", "jamba",
              "phimoe", "jetmoe", "switch_transformers", "gpt_oss", "llama4", "glm4_moe")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",

@@ -42,6 +42,7 @@ import torch
 
 from .checkpoint import DTYPE_NAMES, INDEX_NAME, CheckpointReader
 from .errors import MoeifyError
+from .families import ATTENTION_TENSORS
 
 LOGIT_RTOL = 1e-3
 MAX_LISTED = 20  # problems listed per check before "... and N more"
@@ -354,8 +355,7 @@ def check_weights_against(out: Path, layout: MoeLayout, reader: CheckpointReader
         if entry.get("attention_tuned"):
             skipped.append(f"layer {i}: attention and norms tuned (--tune-attention), not compared with the source")
         else:
-            for name in ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                         "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight"):
+            for name in (n + ".weight" for n in ATTENTION_TENSORS):
                 same_as_source(p + name)
         for name in ("q_proj.bias", "k_proj.bias", "v_proj.bias"):
             if p + "self_attn." + name in layout.shapes:
