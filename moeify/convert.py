@@ -28,8 +28,8 @@ from .errors import MoeifyError
 from .numerics import release_memory
 from .carve import CarvedLayer, carve_weight_only
 from .router import SHARED_GATE_MIN, shared_gate_value
-from .families import (ATTENTION_TENSORS, TOKENIZER_FILES, SourceModel, attention_extras, check_source_tensors, ffn_tensor_names,
-                       load_source, routed_factor, target_config)
+from .families import (ATTENTION_TENSORS, TOKENIZER_FILES, SourceModel, attention_extras, check_source_tensors,
+                       ffn_tensor_names, load_source, routed_factor, target_config)
 from .partition import Partition, valid_expert_counts
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
