@@ -173,8 +173,57 @@ def row_settings(row: str) -> dict:
     return out
 
 
+def parse_sweep(items: list[str]) -> list[dict]:
+    """['lr=0.0015', 'lr=0.006,batch_tokens=512'] -> [{'lr': 0.0015}, {'lr': 0.006, 'batch_tokens': 512}]: overrides
+    of moeify.distill.DistillSettings, each one tuning run from the same carved model and tuning text."""
+    from dataclasses import fields
+
+    from moeify.distill import DistillSettings
+
+    types = {f.name: type(getattr(DistillSettings(tokens=0), f.name)) for f in fields(DistillSettings)}
+    out = []
+    for item in items:
+        over = {}
+        for kv in item.split(","):
+            key, _, value = kv.partition("=")
+            if key not in types or key == "tokens":
+                raise SystemExit(f"--sweep {item!r}: {key!r} is not a tuning setting (one of "
+                                 f"{', '.join(k for k in types if k != 'tokens')})")
+            over[key] = value.lower() in ("1", "true", "yes") if types[key] is bool else types[key](value)
+        out.append(over)
+    return out
+
+
+def install_sweep(sweep: list[dict], evals: dict, seq_len: int, results: list) -> None:
+    """Make every tuning run of the conversion a sweep: from the same carved student and tuning text, one run per
+    override set (the student restored between runs), each scored on the eval texts; the last run's weights are what
+    the conversion writes. The calibration and the sampling of tuning text happen once."""
+    import dataclasses
+
+    import moeify.distill as distill_mod
+
+    original = distill_mod.distill
+
+    def swept(teacher, student, train, held_out, settings, progress=None):
+        start = {k: v.detach().clone() for k, v in student.state_dict().items() if ".mlp." in k}  # what tuning trains
+        info = None
+        for over in sweep:
+            student.load_state_dict(start, strict=False)
+            run = dataclasses.replace(settings, **over)
+            info = original(teacher, student, train, held_out, run, progress)
+            ppl = {n: perplexity(student, ids, seq_len) for n, ids in evals.items()}
+            results.append({"settings": over, "ppl": ppl, "tuning": info})
+            print(f"  sweep {over}: " + ", ".join(f"{n} {p:.3f}" for n, p in ppl.items())
+                  + f"  held-out KL {info['holdout_kl_before']:.3f} -> {info['holdout_kl_after']:.3f} "
+                  f"({info['seconds']:.0f} s)", flush=True)
+        return info
+
+    distill_mod.distill = swept
+
+
 def run_row(model_dir: Path, row: str, config: str, calib: Path, calib_tokens: int, evals: dict, seq_len, work: Path,
-            feed: str, tune_tokens: int | None = None, curve_at: tuple[int, ...] = (), keep: Path | None = None) -> dict:
+            feed: str, tune_tokens: int | None = None, curve_at: tuple[int, ...] = (), keep: Path | None = None,
+            sweep: list[dict] | None = None) -> dict:
 
     settings, shape = row_settings(row), parse_config(config)
     oracle = settings.pop("oracle", False)
@@ -201,6 +250,9 @@ def run_row(model_dir: Path, row: str, config: str, calib: Path, calib_tokens: i
                       flush=True)
 
         set_step_hook(hook)
+    swept = []
+    if sweep:
+        install_sweep(sweep, evals, seq_len, swept)
     t0 = time.time()
     report = run_conversion(plan_conversion(model_dir, cfg), out, overwrite=True)
     seconds = time.time() - t0
@@ -222,7 +274,7 @@ def run_row(model_dir: Path, row: str, config: str, calib: Path, calib_tokens: i
                                                                              "shared": cfg.shared}),
             "ppl": ppl, "seconds": round(seconds, 2), "calib_tokens": report["calibration"].get("tokens"),
             "tuning": {k: v for k, v in report["calibration"].get("tuning", {}).items() if k != "text"} or None,
-            "settings": report["settings"], "curve": curve,
+            "settings": report["settings"], "curve": curve, "sweep": swept,
             "agreement": sum(agreement) / len(agreement) if agreement and not oracle else None,
             "layer_rel_error": errors}
 
@@ -244,6 +296,10 @@ def main() -> None:
     ap.add_argument("--feed", default="dense", choices=("dense", "moe"))
     ap.add_argument("--curve", default="", help="comma-separated token counts (e.g. 16384,65536,262144) at which to "
                     "score the eval texts along each row's tuning run: the tokens -> quality curve")
+    ap.add_argument("--sweep", nargs="+", default=[], metavar="KEY=V[,KEY=V]", help="tuning settings to compare "
+                    "(moeify.distill.DistillSettings fields, e.g. lr=0.0015 lr=0.006 batch_tokens=512): each row's "
+                    "tuning runs once per item from the same carved model and tuning text, each scored; the last "
+                    "item's weights are written")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--json", type=Path, default=ROOT / "scripts" / "bench_quality_results.json")
     ap.add_argument("--keep", type=Path, default=None, help="move each row's written checkpoint into this directory "
@@ -252,6 +308,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads or max(1, torch.get_num_threads()))
     curve_at = tuple(int(t) for t in args.curve.split(",") if t)
+    sweep = parse_sweep(args.sweep)
 
     from transformers import AutoModelForCausalLM
 
@@ -272,7 +329,7 @@ def main() -> None:
         for config in args.configs.split(","):
             for row in args.rows.split(","):
                 r = run_row(args.model, row, config, args.calib, args.calib_tokens, evals, args.seq_len, Path(work),
-                            args.feed, args.tune_tokens, curve_at, args.keep)
+                            args.feed, args.tune_tokens, curve_at, args.keep, sweep)
                 r["ratio"] = {n: r["ppl"][n] / dense_ppl[n] for n in evals}
                 results["rows"].append(r)
                 agree = f"  agreement {r['agreement']:.3f}" if r["agreement"] is not None else ""

@@ -47,6 +47,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--micro-windows", type=int, default=DistillSettings(tokens=0).micro_windows,
+                    help="windows per forward + backward of a tuning step (moeify's default: %(default)s)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -76,7 +78,7 @@ def main() -> None:
         dense.zero_grad(set_to_none=True)
         dense(ids, labels=ids).loss.backward()
 
-    settings = DistillSettings(tokens=0)
+    settings = DistillSettings(tokens=0, micro_windows=args.micro_windows)
 
     def tune_step():  # what moeify.distill does per step
         opt.zero_grad(set_to_none=True)
@@ -94,7 +96,7 @@ def main() -> None:
         w, c = timed(fn, args.repeats)
         rows[name] = (w / 7, c / 7) if fn is sample else (w, c)
     base = rows["dense forward + backward (CE)"][0]
-    print(f"{args.model.name}, {args.experts} experts top-{args.top_k}, {args.threads} thread(s), bf16 autocast "
+    print(f"{args.model.name}, {args.experts} experts top-{args.top_k}, {args.threads} thread(s), micro-batches of {args.micro_windows} window(s), bf16 autocast "
           f"{'on' if bf16 else 'off'}; per 1,024 tokens (median of {args.repeats})")
     print(f"| {'what':32s} | wall s | CPU s | × dense fwd+bwd |\n|{'-' * 34}|-------:|------:|---:|")
     for name, (w, c) in rows.items():
