@@ -197,7 +197,8 @@ def convert(
                                                   "weights, so they adapt to the carved FFNs [default: the "
                                                   "preset's, else off]."),
     tune_model_lr: Optional[float] = typer.Option(None, help="Recovery tuning step size, relative to each weight's "
-                                                  "RMS [default: 0.003]."),
+                                                  "RMS: half or twice the default measured worse on unseen text "
+                                                  "(BENCHMARKS.md) [default: 0.003]."),
     tune_epochs: Optional[int] = typer.Option(None, help="Layer-local tuning after carving: this many passes of Adam "
                                               "over the calibration tokens on each layer's experts, towards its "
                                               "target output (weak: see BENCHMARKS.md; 0 = off) [default: 0]."),
