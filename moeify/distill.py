@@ -51,6 +51,7 @@ class DistillSettings:
     temp_lr: float = 0.05  # absolute Adam step of each layer's log router scale
     train_router: bool = True
     train_attention: bool = False  # also each layer's attention projections and its two RMSNorm weights
+    attention_lr: float | None = None  # their Adam step relative to each tensor's RMS (None: lr)
     batch_tokens: int = 1024
     micro_windows: int = 1  # windows per forward + backward (gradients accumulate over a step's micro-batches)
     warmup_steps: int = 5
@@ -236,8 +237,9 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
     params = experts + routers + temps + attention
     for p in params:
         p.requires_grad_(True)
-    groups = [{"params": [p], "lr": settings.lr * p.detach().pow(2).mean().sqrt().item()}
-              for p in experts + routers + attention]
+    att_lr = settings.lr if settings.attention_lr is None else settings.attention_lr
+    groups = [{"params": [p], "lr": rel * p.detach().pow(2).mean().sqrt().item()}
+              for ps, rel in ((experts + routers, settings.lr), (attention, att_lr)) for p in ps]
     if temps:
         groups.append({"params": temps, "lr": settings.temp_lr})
     opt = torch.optim.Adam(groups, betas=(0.9, 0.99))

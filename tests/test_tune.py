@@ -335,3 +335,23 @@ def test_distill_micro_batches_accumulate_the_same_step():
     assert a["holdout_kl_after"] < a["holdout_kl_before"]
     assert a["holdout_kl_after"] == pytest.approx(b["holdout_kl_after"], rel=1e-4)
     assert torch.allclose(wa, wb, rtol=1e-4, atol=1e-5) and not torch.equal(wa, teacher.model.layers[0].mlp.gate_proj.weight)
+
+
+def test_attention_step_size_is_its_own():
+    """With --tune-attention the attention and norm tensors take attention_lr (relative to their RMS), the experts
+    lr: attention_lr 0 trains the experts and leaves attention and norms bit-identical; unset, both move."""
+    from moeify.distill import DistillSettings, attention_params, distill
+
+    moved = {}
+    for att_lr in (0.0, None):
+        teacher, student = _tiny_teacher_student()
+        before = [p.detach().clone() for p in attention_params(student)]
+        gate = student.model.layers[0].mlp.gate.detach().clone()
+        ids = torch.randint(0, 97, (24, 16), generator=torch.Generator().manual_seed(1))
+        settings = DistillSettings(tokens=8 * 64, batch_tokens=64, evals=2, autocast="off", lr=0.03,
+                                   train_attention=True, attention_lr=att_lr)
+        info = distill(teacher, student, ids[:20], ids[20:], settings)
+        assert info["attention_trained"] and info["step_kept"] > 0, info
+        assert not torch.equal(student.model.layers[0].mlp.gate, gate)
+        moved[att_lr] = [not torch.equal(p, b) for p, b in zip(attention_params(student), before)]
+    assert not any(moved[0.0]) and all(moved[None]), moved
