@@ -206,7 +206,9 @@ def install_sweep(sweep: list[dict], evals: dict, seq_len: int, results: list) -
     original = distill_mod.distill
 
     def swept(teacher, student, train, held_out, settings, progress=None):
-        start = {k: v.detach().clone() for k, v in student.state_dict().items() if ".mlp." in k}  # what tuning trains
+        # what tuning may train: every decoder layer's tensors (experts, routers, and attention and norms under
+        # --tune-attention), restored before each run
+        start = {k: v.detach().clone() for k, v in student.state_dict().items() if ".layers." in k}
         info = None
         for over in sweep:
             student.load_state_dict(start, strict=False)
