@@ -50,6 +50,7 @@ class DistillSettings:
     lr: float = 0.003  # Adam step relative to each expert tensor's RMS (and the router's)
     temp_lr: float = 0.05  # absolute Adam step of each layer's log router scale
     train_router: bool = True
+    router_grad: str = "topk"  # topk: the router learns through the chosen experts' weights only; dense: DenseMixer
     train_attention: bool = False  # also each layer's attention projections and its two RMSNorm weights
     attention_lr: float | None = None  # their Adam step relative to each tensor's RMS (None: lr)
     batch_tokens: int = 1024
@@ -78,6 +79,7 @@ class MaskedMoE(torch.nn.Module):
         self.log_scale = torch.nn.Parameter(torch.tensor(math.log(scale), dtype=torch.float32))
         self.register_buffer("labels", labels.clone())
         self.top_k, self.fmt, self.shared_gate = top_k, fmt, shared_gate
+        self.dense_grad = False  # DenseMixer: the router's gradient as if every expert ran (forward unchanged)
 
     def exported_router(self) -> torch.Tensor:
         """The router rows the checkpoint stores (the scale folded in)."""
@@ -91,9 +93,16 @@ class MaskedMoE(torch.nn.Module):
             logits = x.float() @ (self.router * self.log_scale.exp()).T
             probs = logits.softmax(-1)
             idx = logits.topk(self.top_k, dim=1).indices
-            w = probs.gather(1, idx)
-            w = w / w.sum(1, keepdim=True) * self.top_k if self.fmt == "mixtral" else w * n_exp
-            g = torch.zeros(x.shape[0], n_exp + 1, device=x.device, dtype=w.dtype).scatter(1, idx, w)
+            if self.fmt == "mixtral":  # every expert's weight were it chosen: renormalised over the top-k, times k
+                w_all = probs / probs.gather(1, idx).sum(1, keepdim=True) * self.top_k
+            else:
+                w_all = probs * n_exp
+            g = torch.zeros(x.shape[0], n_exp + 1, device=x.device, dtype=w_all.dtype)
+            g = g.scatter(1, idx, w_all.gather(1, idx))
+            if self.dense_grad and torch.is_grad_enabled():
+                # straight-through: the value is the top-k gate, the gradient the dense one's, so the router learns
+                # which experts it should have chosen (the unchosen neurons are computed anyway: masked FFN)
+                g = g + F.pad(w_all - w_all.detach(), (0, 1))
             shared = (torch.ones_like(g[:, :1]) if self.shared_gate is None else  # Qwen2-MoE: 2 sigmoid(c sum(x))
                       2 * torch.sigmoid(self.shared_gate * x.float().sum(1, keepdim=True)))
             return torch.cat([g[:, :n_exp], shared], 1)
@@ -232,6 +241,10 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
         p.requires_grad_(False)
     experts = [p for m in moes for p in (m.gate, m.up, m.down)]
     routers = [m.router for m in moes] if settings.train_router else []
+    if settings.router_grad not in ("topk", "dense"):
+        raise ValueError(f"router_grad {settings.router_grad!r}: use 'topk' or 'dense'")
+    for m in moes:
+        m.dense_grad = settings.train_router and settings.router_grad == "dense"
     temps = [m.log_scale for m in moes] if settings.train_router else []
     attention = attention_params(student) if settings.train_attention else []
     params = experts + routers + temps + attention
@@ -301,6 +314,8 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
             _STEP_HOOK(student, step, step * per_step * seq)
             hook_s, hook_cpu = hook_s + time.time() - h0, hook_cpu + time.process_time() - hc0
     train_kl = ema
+    for m in moes:
+        m.dense_grad = False
     del opt, sched  # the Adam state, before the kept weights are read back
     state = load_file(kept)
     kept_dir.cleanup()

@@ -355,3 +355,37 @@ def test_attention_step_size_is_its_own():
         assert not torch.equal(student.model.layers[0].mlp.gate, gate)
         moved[att_lr] = [not torch.equal(p, b) for p, b in zip(attention_params(student), before)]
     assert not any(moved[0.0]) and all(moved[None]), moved
+
+
+def test_dense_router_gradient_changes_the_gradient_not_the_model():
+    """router_grad 'dense' (DenseMixer's straight-through router): the forward pass is bit-identical to top-k, but
+    the router rows of experts no token chose get a gradient (with Mixtral's top-k renormalised weights they get
+    none under 'topk'); outside training (no grad) nothing changes; a bad value is refused."""
+    from moeify.distill import DistillSettings, MaskedMoE, distill
+
+    gen = torch.Generator().manual_seed(0)
+    gate, up, down = torch.randn(64, 16, generator=gen), torch.randn(64, 16, generator=gen), torch.randn(16, 64, generator=gen)
+    router = 0.1 * torch.randn(8, 16, generator=gen)
+    x = torch.randn(12, 16, generator=gen) + 3  # tokens with a common direction
+    router[7] = -0.1 * x.mean(0) / x.mean(0).norm()  # expert 7 points away from it: never in a token's top 2
+    outs, grads = {}, {}
+    for dense in (False, True):
+        moe = MaskedMoE(gate, up, down, router, 1.0, torch.arange(64) % 8, 2, "mixtral")
+        moe.dense_grad = dense
+        assert 7 not in (x @ moe.router.T).topk(2, dim=1).indices.flatten().tolist()
+        out = moe(x)
+        out.square().sum().backward()
+        outs[dense], grads[dense] = out.detach(), moe.router.grad.clone()
+        with torch.no_grad():
+            assert torch.equal(moe(x), outs[False])
+    assert torch.equal(outs[True], outs[False])
+    assert grads[False][7].abs().max().item() < 1e-5 * grads[False].abs().max().item()  # 0 but for rounding
+    assert grads[True][7].abs().max().item() > 1e-3 * grads[True].abs().max().item()
+    teacher, student = _tiny_teacher_student()
+    ids = torch.randint(0, 97, (6, 16), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="router_grad 'sparse'"):
+        distill(teacher, student, ids[:4], ids[4:], DistillSettings(tokens=64, router_grad="sparse", autocast="off"))
+    info = distill(teacher, student, ids[:4], ids[4:], DistillSettings(tokens=64, batch_tokens=32, evals=1,
+                                                                         router_grad="dense", autocast="off"))
+    assert info["holdout_kl_after"] <= info["holdout_kl_before"]
+    assert not any(m.dense_grad for m in student.modules() if isinstance(m, MaskedMoE))
