@@ -181,7 +181,6 @@ def parse_sweep(items: list[str]) -> list[dict]:
     from moeify.distill import DistillSettings
 
     types = {f.name: type(getattr(DistillSettings(tokens=0), f.name)) for f in fields(DistillSettings)}
-    types = {k: float if t is type(None) else t for k, t in types.items()}  # optional settings (None: unset) take floats
     out = []
     for item in items:
         over = {}

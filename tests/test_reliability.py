@@ -311,7 +311,7 @@ def test_non_integer_flag_is_a_usage_error(tmp_path, source):
 def _help_text(*command: str) -> str:
     result = CliRunner().invoke(app, [*command, "--help"], env={"COLUMNS": "240"})  # no word cut at 80 columns
     assert result.exit_code == 0, result.output
-    return " ".join(re.sub(r"[│╭╮╰╯─]", " ", result.output).split())  # typer draws help in boxes
+    return " ".join(re.sub(r"[│╭╮╰╯─]", " ", result.output).split())  # in case typer draws help in boxes
 
 
 def test_help_cites_an_existing_preset_name_and_one_json_convention():
@@ -319,6 +319,8 @@ def test_help_cites_an_existing_preset_name_and_one_json_convention():
     command's --json takes PATH (a file) or '-' (stdout)."""
     text = _help_text("convert")
     assert "configs/active-50.toml" in text and "e8k2" not in text
+    # the defaults the help texts state are shown (as rich markup, "[default: 8]" would vanish from the output)
+    assert "Routed experts per layer [default: 8]." in text and "[default: fitted;" in text
     for command in ("convert", "eval", "plan", "verify", "inspect"):
         text = _help_text(command)
         assert "--json PATH|-" in text and "to stdout with '-'" in text, command
