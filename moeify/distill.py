@@ -237,14 +237,14 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
     train: (n_windows, seq_len) token windows to draw the budget from; held_out: (m, seq_len) windows never trained
     on, used for every early-stopping decision. Returns info (held-out KL before/after and along the run, train KL,
     steps, tokens, passes over the training windows, seconds, autocast); the student holds the kept weights."""
+    if settings.router_grad not in ("topk", "dense"):
+        raise ValueError(f"router_grad {settings.router_grad!r}: use 'topk' or 'dense'")
     device = next(student.parameters()).device
     moes = [m for m in student.modules() if isinstance(m, MaskedMoE)]
     for p in student.parameters():
         p.requires_grad_(False)
     experts = [p for m in moes for p in (m.gate, m.up, m.down)]
     routers = [m.router for m in moes] if settings.train_router else []
-    if settings.router_grad not in ("topk", "dense"):
-        raise ValueError(f"router_grad {settings.router_grad!r}: use 'topk' or 'dense'")
     for m in moes:
         m.dense_grad = settings.train_router and settings.router_grad == "dense"
     temps = [m.log_scale for m in moes] if settings.train_router else []
