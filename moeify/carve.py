@@ -9,7 +9,7 @@ import torch
 from .compensate import refit_down, routed_output, routing_mask
 from .numerics import ffn_activations, neuron_stats, resolve_device
 from .partition import Partition, partition_from_stats, partition_neurons, perm_hash
-from .tune import TuneSettings, tune_layer
+from .layerfit import FitSettings, fit_layer
 from .router import build_router, expert_output_norms, fit_router, topk_agreement, unit_gate_scale
 
 WEIGHT_METHODS = ("contiguous", "random", "gate-cluster")
@@ -98,10 +98,10 @@ def carve_calibrated(x: torch.Tensor, gate, up, down, norm_weight, cfg, stats=No
         metrics.update(refit_ridge=info["ridge"], rel_error_before=info["holdout_rel_error_before"],
                        rel_error_after=info["holdout_rel_error_after"])
     tuned = ()
-    if cfg.tune_epochs > 0 and cfg.top_k < cfg.experts:
-        settings = TuneSettings(epochs=cfg.tune_epochs, lr=cfg.tune_lr, seed=cfg.seed)
+    if cfg.fit_epochs > 0 and cfg.top_k < cfg.experts:
+        settings = FitSettings(epochs=cfg.fit_epochs, lr=cfg.fit_lr, seed=cfg.seed)
         tuned = ("gate", "up", "down")
-        new, info = tune_layer(x, y, routing_mask(scores, part, cfg.top_k), gate, up, weights.get("down", down),
+        new, info = fit_layer(x, y, routing_mask(scores, part, cfg.top_k), gate, up, weights.get("down", down),
                                settings, tuned)
         weights.update(new)
         metrics.update(tune_rel_error_before=info["holdout_rel_error_before"],

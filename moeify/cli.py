@@ -185,7 +185,7 @@ def convert(
                                               "About 4-8 CPU seconds per 1,024 tokens for a 135M model; use a GPU "
                                               "for 7B+ (0 = off) [default: the preset's, else 0]."),
     no_tune: bool = typer.Option(False, "--no-tune", help="Turn tuning off (a preset's --tune-tokens and "
-                                 "--tune-epochs): the training-free carve only."),
+                                 "--fit-epochs): the training-free carve only."),
     tune_generated: Optional[float] = typer.Option(None, help="Share of the tuning tokens sampled from the dense "
                                                    "model itself (label-free: what the teacher knows is what the "
                                                    "student is taught) [default: 0.5]."),
@@ -201,10 +201,11 @@ def convert(
     tune_model_lr: Optional[float] = typer.Option(None, help="Recovery tuning step size, relative to each weight's "
                                                   "RMS: half or twice the default measured worse on unseen text "
                                                   "(BENCHMARKS.md) [default: 0.003]."),
-    tune_epochs: Optional[int] = typer.Option(None, help="Layer-local tuning after carving: this many passes of Adam "
+    fit_epochs: Optional[int] = typer.Option(None, help="Layer-local fitting after carving: this many passes of Adam "
                                               "over the calibration tokens on each layer's experts, towards its "
-                                              "target output (weak: see BENCHMARKS.md; 0 = off) [default: 0]."),
-    tune_lr: Optional[float] = typer.Option(None, help="Layer-local tuning step size, relative to each weight's RMS "
+                                              "target output (weak: see BENCHMARKS.md; 0 = off; was --tune-epochs) "
+                                              "[default: 0]."),
+    fit_lr: Optional[float] = typer.Option(None, help="Layer-local fitting step size, relative to each weight's RMS "
                                             "[default: 0.01]."),
     compensate: Optional[bool] = typer.Option(None, "--compensate/--no-compensate", help="Refit down_proj by ridge "
                                               "least squares under the actual routing [default: on with --calib]."),
@@ -249,14 +250,14 @@ def convert(
                            pad_experts_to=pad_experts_to,
                            untie_embeddings=untie_embeddings, calib=calib, calib_tokens=calib_tokens,
                            calib_seq_len=calib_seq_len, calib_feed=calib_feed, compensate=compensate,
-                           stats=str(stats) if stats else None, device=device, tune_epochs=tune_epochs,
-                           tune_lr=tune_lr, tune_tokens=0 if no_tune else tune_tokens,
+                           stats=str(stats) if stats else None, device=device, fit_epochs=fit_epochs,
+                           fit_lr=fit_lr, tune_tokens=0 if no_tune else tune_tokens,
                            tune_generated=tune_generated, tune_text=tune_text, tune_router=tune_router,
                            tune_attention=tune_attention,
                            tune_model_lr=tune_model_lr,
                            targets=None if target is None else ",".join(target))
         if no_tune:
-            cfg = dataclasses.replace(cfg, tune_epochs=0)
+            cfg = dataclasses.replace(cfg, fit_epochs=0)
         if eval_data:  # a bad --eval file fails before the conversion, not after it
             from .evaluate import read_text
 
@@ -287,7 +288,106 @@ def convert(
     except MoeifyError as exc:
         _fail(exc)
     except KeyboardInterrupt:
+        from .tune import state_dir
+
+        if (state_dir(out) / "run.json").is_file():
+            _interrupted_tuning(src, out)
         console.print("[bold red]interrupted[/]: the partial output was removed; nothing was left behind")
+        raise typer.Exit(130)
+
+
+def _interrupted_tuning(src: Path, out: Path) -> None:
+    from .tune import TuningState, resume_command, state_dir
+
+    done = TuningState(state_dir(out)).progress()
+    what = f"saved at step {done[0]:,} of {done[1]:,}" if done else "the tuning text sampled so far is saved"
+    console.print(f"[bold red]interrupted[/]: tuning {what} in {escape(str(state_dir(out)))}; continue it with:\n"
+                  f"  {escape(resume_command(src, out))}", highlight=False, soft_wrap=True)
+    raise typer.Exit(130)
+
+
+@app.command()
+def tune(
+    src: Path = typer.Argument(..., help="The dense source checkpoint OUT was converted from (the teacher)."),
+    out: Path = typer.Argument(..., help="A moeify output (tuned or not); replaced by the tuned model when the run "
+                               "ends."),
+    tokens: Optional[int] = typer.Option(None, "--tokens", "--tune-tokens", help="Fresh tuning tokens of this run "
+                                         "(its own warm-up and cosine schedule). Quality keeps improving with tokens "
+                                         "(BENCHMARKS.md); about 7 CPU seconds per 1,024 tokens for a 135M model on "
+                                         "2 cores; use a GPU for 7B+."),
+    calib: Optional[list[Path]] = typer.Option(None, "--calib", help="Real tuning text (.txt/.jsonl; repeatable) "
+                                               "[default: the text OUT was calibrated on, from its moeify.toml]."),
+    tune_text: Optional[list[Path]] = typer.Option(None, "--tune-text", help="More real tuning text; repeatable "
+                                                   "[default: OUT's own --tune-text]."),
+    tune_generated: Optional[float] = typer.Option(None, "--tune-generated", help="Share of the tuning tokens the "
+                                                   "dense model samples itself; each run samples new text "
+                                                   "[default: 0.5]."),
+    lr: Optional[float] = typer.Option(None, "--lr", "--tune-model-lr", help="Adam step relative to each weight's "
+                                       "RMS [default: 0.003]."),
+    tune_router: Optional[bool] = typer.Option(None, "--tune-router/--freeze-router", help="Also train the routers "
+                                               "[default: on]."),
+    tune_attention: Optional[bool] = typer.Option(None, "--tune-attention/--experts-only", help="Also train "
+                                                  "attention projections and RMSNorm weights [default: off]."),
+    seed: Optional[int] = typer.Option(None, help="Seed of the token stream and the sampled text [default: OUT's "
+                                       "seed + 1000 x the number of earlier runs, so every run sees new text]."),
+    device: str = typer.Option("auto", help="auto (a GPU if there is one) | cpu | cuda."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the interrupted run saved in OUT.moeify-tune "
+                                "(its settings; flags that differ are refused)."),
+    restart: bool = typer.Option(False, "--restart", help="Discard an interrupted run's state and start anew."),
+    save_every: float = typer.Option(600.0, "--save-every", metavar="SECONDS", help="Save the run's state this "
+                                     "often (also at the end and on Ctrl-C / SIGTERM); 0 = after every step."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Time a few tuning steps and the sampling, measure peak "
+                                 "memory, print the estimated time of the run, and write nothing."),
+    json_dest: Optional[str] = _json_option("The tuned output's report (--dry-run: the estimate)."),
+) -> None:
+    """Recovery tuning of a moeify output: distil its experts and routers towards the dense source's next-token
+    distributions on fresh tokens, and write the tuned model back to OUT (all or nothing).
+
+    A tuned output can be tuned again for more tokens: it continues from its weights, and report.json and
+    moeify.toml keep the whole history. The run saves its state every --save-every seconds and on Ctrl-C; a killed
+    run continues with --resume and ends with the weights an uninterrupted run would have.
+
+    Example: moeify tune path/to/Llama-3-8B out/llama-moe --tokens 1048576
+    """
+    from .tune import TuneOptions, TuningInterrupted, tune_output
+    from .report import print_tuning
+
+    given = {"tokens": tokens, "lr": lr, "generated": tune_generated,
+             "calib": None if calib is None else tuple(str(f) for f in calib),
+             "tune_text": None if tune_text is None else tuple(str(f) for f in tune_text),
+             "train_router": tune_router, "train_attention": tune_attention, "seed": seed}
+    try:
+        opts = None
+        if not resume:
+            if tokens is None:
+                raise MoeifyError("--tokens is required (the tuning budget of this run)",
+                                  f"e.g. moeify tune {src} {out} --tokens 262144; or --resume an interrupted run")
+            opts = TuneOptions(**{k: v for k, v in given.items() if v is not None})
+        if dry_run:
+            from .tune import estimate_run
+
+            est = estimate_run(src, out, opts, resume=resume, device=device)
+            print_tuning(_tables(json_dest), est, estimate=True)
+            if json_dest:
+                _write_json(est, json_dest)
+            return
+        with _progress() as bar:
+            report = tune_output(src, out, opts, resume=resume, restart=restart, device=device, save_every=save_every,
+                                 progress=_stage_callback(bar), given=given if resume else None,
+                                 notify=lambda msg: console.print(f"[yellow]{escape(msg)}[/]", highlight=False))
+        print_tuning(_tables(json_dest), report, out=out)
+        if json_dest:
+            _write_json(report, json_dest)
+    except MoeifyError as exc:
+        _fail(exc)
+    except TuningInterrupted:
+        _interrupted_tuning(src, out)
+    except KeyboardInterrupt:
+        from .tune import state_dir
+
+        if (state_dir(out) / "run.json").is_file():
+            _interrupted_tuning(src, out)
+        console.print(f"[bold red]interrupted[/]: {escape(str(out))} was left as it was")
         raise typer.Exit(130)
 
 

@@ -21,6 +21,8 @@ FEEDS = ("dense", "moe", "corrected")
 DEVICES = ("auto", "cpu", "cuda")
 FORMATS = ("auto", "mixtral", "qwen2_moe")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# keys of earlier moeify.toml files, renamed since ("tune" now means only the whole-model recovery tuning)
+LEGACY_KEYS = {"tune_epochs": "fit_epochs", "tune_lr": "fit_lr"}
 CALIB_TOKENS_CAP = 65536  # calibration tokens used when --calib-tokens is not given (fewer if the text is shorter)
 
 
@@ -52,8 +54,8 @@ class ConvertConfig:
     stats: str = ""  # reuse neuron statistics saved by an earlier calibrated conversion
     device: str = "auto"
     # layer-local tuning (each carved FFN towards its target output on its cached calibration inputs)
-    tune_epochs: int = 0  # passes over the calibration tokens; 0 = off
-    tune_lr: float = 0.01  # Adam step size relative to each tensor's RMS
+    fit_epochs: int = 0  # passes over the calibration tokens; 0 = off
+    fit_lr: float = 0.01  # Adam step size relative to each tensor's RMS
     # whole-model distillation towards the dense model's next-token distributions (moeify/distill.py)
     tune_tokens: int = 0  # training tokens (fresh windows of the tuning text); 0 = off
     tune_model_lr: float = 0.003  # Adam step size relative to each tensor's RMS
@@ -65,7 +67,7 @@ class ConvertConfig:
     @property
     def needs_calibration(self) -> bool:
         return (self.method in CALIB_METHODS or self.router == "fitted" or self.compensate or self.dense_auto > 0
-                or self.tune_epochs > 0 or self.tune_tokens > 0)
+                or self.fit_epochs > 0 or self.tune_tokens > 0)
 
     def resolved_format(self) -> str:
         if self.format != "auto":
@@ -75,11 +77,11 @@ class ConvertConfig:
     def validate(self) -> None:
         """Checks that need no checkpoint. Checkpoint-dependent checks live in convert.plan_conversion."""
         for name in ("experts", "top_k", "shared", "seed", "kmeans_iters", "max_shard_bytes", "calib_tokens",
-                     "calib_seq_len", "dense_auto", "tune_epochs", "pad_experts_to", "tune_tokens"):
+                     "calib_seq_len", "dense_auto", "fit_epochs", "pad_experts_to", "tune_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise MoeifyError(f"--{_flag(name)} must be an integer, got {value!r}")
-        for name in ("gate_tolerance", "tune_lr", "tune_model_lr", "tune_generated"):
+        for name in ("gate_tolerance", "fit_lr", "tune_model_lr", "tune_generated"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise MoeifyError(f"--{_flag(name)} must be a number, got {value!r}")
@@ -118,15 +120,15 @@ class ConvertConfig:
         _check_choice("device", self.device, DEVICES)
         if self.needs_calibration and not self.calib:
             what = ("--method " + self.method if self.method in CALIB_METHODS else "--router fitted"
-                    if self.router == "fitted" else "--compensate" if self.compensate else "--tune-epochs"
-                    if self.tune_epochs else "--tune-tokens" if self.tune_tokens else "--dense-layers auto:M")
+                    if self.router == "fitted" else "--compensate" if self.compensate else "--fit-epochs"
+                    if self.fit_epochs else "--tune-tokens" if self.tune_tokens else "--dense-layers auto:M")
             raise MoeifyError(f"{what} needs calibration data", "pass --calib FILE (.txt or .jsonl)")
         if self.calib_tokens < 0 or self.calib_seq_len < 2:
             raise MoeifyError("--calib-tokens must be ≥ 1 (0: all the text, up to 65,536) and --calib-seq-len ≥ 2")
-        if self.tune_epochs < 0:
-            raise MoeifyError(f"--tune-epochs must be ≥ 0, got {self.tune_epochs}")
-        if not 0.0 < self.tune_lr < 1.0:
-            raise MoeifyError(f"--tune-lr must be in (0, 1) (a step size relative to each weight's RMS), got {self.tune_lr}")
+        if self.fit_epochs < 0:
+            raise MoeifyError(f"--fit-epochs must be ≥ 0, got {self.fit_epochs}")
+        if not 0.0 < self.fit_lr < 1.0:
+            raise MoeifyError(f"--fit-lr must be in (0, 1) (a step size relative to each weight's RMS), got {self.fit_lr}")
         if self.tune_tokens < 0:
             raise MoeifyError(f"--tune-tokens must be ≥ 0 (0: no whole-model tuning), got {self.tune_tokens}")
         if not 0.0 < self.tune_model_lr < 1.0:
@@ -190,6 +192,10 @@ def load_preset(path: str | Path) -> dict:
     known = {f.name for f in dataclasses.fields(ConvertConfig)}
     data = {k.replace("-", "_"): v for k, v in data.items()}
     data.pop("provenance", None)  # the record that OUT/moeify.toml carries; not a setting
+    data.pop("tuning", None)  # the tuning history that OUT/moeify.toml carries; not a setting
+    for old, new in LEGACY_KEYS.items():  # moeify.toml of outputs written before the rename
+        if old in data:
+            data.setdefault(new, data.pop(old))
     unknown = sorted(set(data) - known - {"max_shard_size"})
     if unknown:
         raise MoeifyError(f"preset {path} has unknown key(s): {', '.join(unknown)}", f"known keys: {', '.join(sorted(known))}")

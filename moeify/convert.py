@@ -5,7 +5,6 @@ Only this module touches both the reader and the writer.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import json
@@ -21,7 +20,7 @@ from safetensors.torch import load_file
 
 from . import __version__
 from .budget import Budget, carve_budget, padded_width
-from .checkpoint import (DTYPE_NAMES, SPILL_DIR, BackgroundWriter, CheckpointReader, ShardLayout, ShardWriter, TensorInfo,
+from .checkpoint import (DTYPE_NAMES, LOCK_NAME, SPILL_DIR, BackgroundWriter, CheckpointReader, ShardLayout, ShardWriter, TensorInfo,
                          check_free_space, check_links, check_output_path, commit_output, prepare_output)
 from .config import ConvertConfig, config_to_dict, config_to_toml
 from .errors import MoeifyError
@@ -232,12 +231,19 @@ def run_conversion(plan: ConversionPlan, out: str | Path, *, overwrite: bool = F
 
     With calibration, a first pass runs the calibration tokens through the model layer by layer and carves
     each layer (refit down_proj spilled to OUT's temporary directory); the second pass streams the output.
+    With --tune-tokens the carve is written to OUT.moeify-tune/carved instead of OUT, and the tuning stage
+    (moeify.tune, the code `moeify tune` runs) tunes it and writes OUT; an interrupted tuning resumes there.
     """
+    from .tune import options_from_config, refuse_leftover_state, state_dir, tune_output
+
     out = Path(out)
     src = plan.src
     check_output_path(out, overwrite, src.path)
+    tune = bool(plan.cfg.tune_tokens) and plan.cfg.top_k < plan.cfg.experts
+    refuse_leftover_state(out, src.path, overwrite)
     spill = src.n_layers * src.hidden * src.d_ff * plan.out_dtype.itemsize if plan.cfg.compensate else 0
-    check_free_space(out, plan.output_bytes + spill, overwrite)
+    # tuning holds the carve and writes the tuned output beside it
+    check_free_space(out, plan.output_bytes * (2 if tune else 1) + spill, overwrite)
     tmp = prepare_output(out, overwrite, src.path)
     t0 = time.time()
     writer = None
@@ -247,13 +253,9 @@ def run_conversion(plan: ConversionPlan, out: str | Path, *, overwrite: bool = F
         if plan.cfg.needs_calibration:
             from .calibrate import calibrate_and_carve
 
-            carved, calib_info, tokens = calibrate_and_carve(plan, tmp, progress)
+            carved, calib_info, _ = calibrate_and_carve(plan, tmp, progress)
             if plan.cfg.dense_auto:
                 plan = with_dense_layers(plan, calib_info["dense_layers"])
-            if plan.cfg.tune_tokens and plan.cfg.top_k < plan.cfg.experts:
-                release_memory()
-                calib_info["tuning"] = _tune_model(plan, carved, tmp, tokens, progress)
-                release_memory()
         writer = BackgroundWriter(ShardWriter(tmp, plan.layout), max_pending=WRITE_AHEAD_BYTES)
         layers_report = _write_tensors(plan, writer, carved, tmp, progress)
         writer.finish()
@@ -262,114 +264,28 @@ def run_conversion(plan: ConversionPlan, out: str | Path, *, overwrite: bool = F
         report = _write_metadata(plan, tmp, layers_report, time.time() - t0, calib_info)
         verify_layout(tmp, plan)
         _verify_structure(tmp)
-        commit_output(tmp, out)
+        if tune:
+            carved_dir = state_dir(out) / "carved"
+            carved_dir.parent.mkdir(parents=True, exist_ok=True)
+            (tmp / LOCK_NAME).unlink(missing_ok=True)
+            tmp.rename(carved_dir)
+        else:
+            commit_output(tmp, out)
     except BaseException:
         if writer is not None:
             writer.abort()
         plan.reader.close()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if tune:
+        del carved
+        release_memory()
+        report = tune_output(src.path, out, options_from_config(plan.cfg), base=state_dir(out) / "carved",
+                             device=plan.cfg.device, progress=progress)
     return report
 
 
 WRITE_AHEAD_BYTES = 512 << 20  # output bytes queued for the writer thread while the next layer is carved
-
-
-def _tune_model(plan: ConversionPlan, carved: dict[int, CarvedLayer], tmp: Path, calib_windows: torch.Tensor,
-                progress: Progress | None) -> dict:
-    """Whole-model tuning (--tune-tokens): the carved layers' expert weights and routers are distilled towards the
-    dense model's next-token distributions on a stream of fresh tokens (moeify.distill), then spilled like the
-    refit weights. Holds the dense model and the student's FFNs (the rest is shared) on --device: for 7B+ models that
-    needs a GPU."""
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
-
-    from .distill import DistillSettings, MaskedMoE, _autocast, distill, share_frozen
-    from .numerics import resolve_device
-
-    cfg, src, reader = plan.cfg, plan.src, plan.reader
-    device = resolve_device(cfg.device)
-    try:
-        teacher = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32, local_files_only=True,
-                                                       use_safetensors=True, trust_remote_code=False).to(device).eval()
-    except OSError as exc:
-        raise MoeifyError(f"--tune-tokens cannot load {src.path} ({exc.__class__.__name__})",
-                          "whole-model tuning needs safetensors weights; use --tune-tokens 0") from None
-    train, held, text = tuning_windows(plan, calib_windows, teacher, progress)  # sampling before the student exists
-    student = copy.deepcopy(teacher)  # the same weights, without reading the checkpoint a second time
-    for i, layer in carved.items():
-        if i in cfg.dense_layers:
-            continue
-        p = f"model.layers.{i}.mlp."
-        spilled = load_file(str(tmp / SPILL_DIR / f"{i}.safetensors")) if layer.spilled else {}
-        gate, up, down = (spilled.get(k, reader.get(p + f"{k}_proj.weight")) for k in ("gate", "up", "down"))
-        c = shared_gate_value(reader.get(f"model.layers.{i}.post_attention_layernorm.weight"), cfg.gate_tolerance)
-        student.model.layers[i].mlp = MaskedMoE(gate, up, down, layer.router, layer.scale, layer.part.labels(),
-                                                cfg.top_k, plan.fmt, c if plan.fmt == "qwen2_moe" else None).to(device)
-    settings = DistillSettings(tokens=cfg.tune_tokens, lr=cfg.tune_model_lr, train_router=cfg.tune_router,
-                               train_attention=cfg.tune_attention, seed=cfg.seed)
-    share_frozen(teacher, student, cfg.tune_attention,
-                 torch.bfloat16 if _autocast(str(device), settings.autocast)[1] else None)
-    release_memory()  # the student's copies of what it now shares
-    info = distill(teacher, student, train, held, settings, progress=progress)
-    if cfg.tune_attention:  # every layer's tuned attention and norms, read back when writing
-        for i in range(src.n_layers):
-            save_file({name: student.get_submodule(f"model.layers.{i}.{name}").weight.detach().to(plan.out_dtype)
-                       .contiguous().cpu() for name in ATTENTION_TENSORS},
-                      str(tmp / SPILL_DIR / f"{i}.attention.safetensors"))
-    for i, layer in carved.items():
-        mlp = student.model.layers[i].mlp
-        if isinstance(mlp, MaskedMoE):
-            save_file({k: getattr(mlp, k).detach().to(plan.out_dtype).contiguous().cpu() for k in ("gate", "up", "down")},
-                      str(tmp / SPILL_DIR / f"{i}.safetensors"))
-            layer.spilled, layer.tuned = ("down", "gate", "up"), ("gate", "up", "down")
-            if cfg.tune_router:  # the trained router rows with their scale folded in
-                layer.router, layer.scale = mlp.exported_router().cpu(), 1.0
-                layer.tuned = layer.tuned + ("router",)
-    return {"scope": "model", "lr": cfg.tune_model_lr, "text": text, **info}
-
-
-def tuning_windows(plan: ConversionPlan, calib_windows: torch.Tensor, teacher, progress) -> tuple:
-    """The tuning text: every window of the --calib text(s) and --tune-text, the bundled broad sample, and
-    windows the dense model samples itself (--tune-generated of the budget, never repeated). The last windows of
-    each real text (after the calibration windows) and a few sampled ones are held out for early stopping.
-    Returns (train windows, held-out windows, a description of the mix)."""
-    from .calibrate import text_windows
-    from .config import BUNDLED_CALIB
-    from .distill import sample_text
-
-    cfg, src = plan.cfg, plan.src
-    seq = calib_windows.shape[1]
-    sources = [("calib", list(cfg.calib), calib_windows.shape[0])]
-    if cfg.tune_text:
-        sources.append(("tune_text", list(cfg.tune_text), 0))
-    if str(BUNDLED_CALIB) not in cfg.calib:
-        sources.append(("bundled", [BUNDLED_CALIB], 0))
-    train, held, text = [], [], {}
-    for name, files, used in sources:
-        w = text_windows(src.path, files, seq)
-        n_hold = min(4, max(0, (w.shape[0] - used) // 5))  # only windows the carve never saw
-        train.append(w[: w.shape[0] - n_hold])
-        held.append(w[w.shape[0] - n_hold:])
-        text[name] = {"files": [str(f) for f in files], "windows": int(w.shape[0]), "held_out": n_hold}
-    real = torch.cat(train)
-    n_gen = round(cfg.tune_generated * cfg.tune_tokens / seq)
-    if n_gen:
-        n_prompt = min(16, seq // 4)
-        gen = torch.Generator().manual_seed(cfg.seed + 1)
-        n_hold_gen = min(2, max(1, n_gen // 10))
-        starts = real[torch.randint(real.shape[0], (n_gen + n_hold_gen,), generator=gen)]
-        offs = torch.randint(seq - n_prompt + 1, (starts.shape[0],), generator=gen)
-        prompts = torch.stack([w[o:o + n_prompt] for w, o in zip(starts, offs)])
-        sampled = sample_text(teacher, prompts, seq - n_prompt, cfg.seed, progress=progress)
-        release_memory()  # the sampling's KV cache
-        train.append(sampled[n_hold_gen:])
-        held.append(sampled[:n_hold_gen])
-        text["generated"] = {"windows": int(sampled.shape[0]), "held_out": n_hold_gen, "prompt_tokens": n_prompt}
-    held_out = torch.cat(held)
-    if held_out.shape[0] == 0:  # tiny texts: hold out the last training window rather than nothing
-        held_out, train[0] = train[0][-1:], train[0][:-1]
-    return torch.cat(train), held_out, text
 
 
 def _write_tensors(plan: ConversionPlan, writer: ShardWriter, carved: dict[int, CarvedLayer], tmp: Path,

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from .families import ATTENTION_TENSORS
-from .tune import masked_ffn
+from .layerfit import masked_ffn
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,8 @@ def final_hidden(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 class WindowStream:
-    """Training windows drawn in a seeded random order without replacement, reshuffled when all were seen."""
+    """Training windows drawn in a seeded random order without replacement, reshuffled when all were seen. Its
+    position (generator state, order, offset, passes) is part of a tuning run's saved state."""
 
     def __init__(self, windows: torch.Tensor, seed: int):
         self.windows, self.gen, self.order, self.pos, self.passes = windows, torch.Generator().manual_seed(seed), None, 0, 0
@@ -202,12 +203,22 @@ class WindowStream:
             self.pos, n = self.pos + m, n - m
         return torch.cat(out)
 
+    def state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        return {"stream.gen": self.gen.get_state(), "stream.order": self.order.clone()}, {"pos": self.pos,
+                                                                                          "passes": self.passes}
 
-def accumulate_kl(teacher, student, batch: torch.Tensor, head: torch.Tensor, ctx, settings: DistillSettings) -> float:
+    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        if tensors["stream.order"].numel() != self.windows.shape[0]:
+            raise ValueError("saved stream position is for another set of training windows")
+        self.gen.set_state(tensors["stream.gen"])
+        self.order, self.pos, self.passes = tensors["stream.order"].clone(), int(meta["pos"]), int(meta["passes"])
+
+
+def accumulate_kl(teacher, student, batch: torch.Tensor, head: torch.Tensor, ctx, settings: DistillSettings) -> torch.Tensor:
     """One step's gradients: the teacher's forward, the student's forward and backward and the chunked KL, one
     micro-batch of windows at a time (activations of one micro-batch held), gradients accumulated into .grad.
-    Returns the step's mean KL."""
-    device, step_kl = next(student.parameters()).device, 0.0
+    Returns the step's mean KL as a 0-dim tensor (read with .item() only when it is shown or saved)."""
+    device, step_kl = next(student.parameters()).device, None
     for micro in batch.split(max(1, settings.micro_windows)):
         micro = micro.to(device)
         with ctx:
@@ -216,7 +227,7 @@ def accumulate_kl(teacher, student, batch: torch.Tensor, head: torch.Tensor, ctx
             loss = chunked_kl(final_hidden(student, micro), target, head, settings.kl_chunk) * (
                 micro.shape[0] / batch.shape[0])
         loss.backward()
-        step_kl += loss.item()
+        step_kl = loss.detach() if step_kl is None else step_kl + loss.detach()
     return step_kl
 
 
@@ -230,13 +241,40 @@ def set_step_hook(hook) -> None:
     _STEP_HOOK = hook
 
 
+class _TempKeeper:
+    """Where a run that saves no state (a library call without a state directory) keeps its best checked weights: a
+    temporary file, on disk rather than in memory."""
+
+    def __init__(self):
+        self._dir = tempfile.TemporaryDirectory(prefix="moeify-distill-")
+        self._file = f"{self._dir.name}/kept.safetensors"
+
+    def keep(self, tensors: dict[str, torch.Tensor], step: int) -> None:
+        save_file(tensors, self._file)
+
+    def kept(self) -> dict[str, torch.Tensor]:
+        return load_file(self._file)
+
+    def checkpoint(self, step: int, total: int, snapshot) -> None:
+        pass
+
+    def close(self) -> None:
+        self._dir.cleanup()
+
+
 def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, settings: DistillSettings,
-            progress=None) -> dict:
+            progress=None, state=None, resume: tuple[dict, dict] | None = None) -> dict:
     """Train the student's MaskedMoE weights (and routers) towards the teacher's next-token distributions.
 
     train: (n_windows, seq_len) token windows to draw the budget from; held_out: (m, seq_len) windows never trained
     on, used for every early-stopping decision. Returns info (held-out KL before/after and along the run, train KL,
-    steps, tokens, passes over the training windows, seconds, autocast); the student holds the kept weights."""
+    steps, tokens, passes over the training windows, seconds, autocast); the student holds the kept weights.
+
+    state: where the best checked weights are kept and the run's state is saved (moeify.tune.TuningState: keep(),
+    kept(), checkpoint(step, total, snapshot), which saves snapshot() when due and raises KeyboardInterrupt after
+    saving when a stop was requested); None: a temporary file, nothing saved. resume: (tensors, meta) of a saved
+    snapshot: the run continues from it and ends with the weights an uninterrupted run would have (same machine and
+    thread count)."""
     if settings.router_grad not in ("topk", "dense"):
         raise ValueError(f"router_grad {settings.router_grad!r}: use 'topk' or 'dense'")
     device = next(student.parameters()).device
@@ -252,11 +290,30 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
     params = experts + routers + temps + attention
     for p in params:
         p.requires_grad_(True)
-    groups = [{"params": [p], "lr": rel * p.detach().pow(2).mean().sqrt().item()}
-              for ps, rel in ((experts + routers, settings.lr), (attention, settings.attention_lr)) for p in ps]
+    r_tensors, r_meta = resume if resume is not None else ({}, {})
+    if resume is not None:
+        if len(r_meta["base_lrs"]) != len(params) - len(temps) + bool(temps):
+            raise ValueError("saved tuning state is for another set of trainable tensors")
+        base_lrs = list(r_meta["base_lrs"])  # the step sizes of the run's start, not of the resumed weights
+        with torch.no_grad():
+            for j, p in enumerate(params):
+                p.copy_(r_tensors[f"param.{j}"])
+    else:  # each tensor's step relative to its RMS at the start of the run; the temperatures' absolute
+        base_lrs = [rel * p.detach().pow(2).mean().sqrt().item()
+                    for ps, rel in ((experts + routers, settings.lr), (attention, settings.attention_lr)) for p in ps]
+        base_lrs += [settings.temp_lr] if temps else []
+    n_single = len(experts) + len(routers) + len(attention)
+    ordered = experts + routers + attention  # the single-tensor groups, in base_lrs order
+    groups = [{"params": [p], "lr": lr} for p, lr in zip(ordered, base_lrs[:n_single])]
     if temps:
-        groups.append({"params": temps, "lr": settings.temp_lr})
+        groups.append({"params": temps, "lr": base_lrs[-1]})
     opt = torch.optim.Adam(groups, betas=(0.9, 0.99))
+    if resume is not None:
+        opt.load_state_dict({"state": {int(k.split(".")[1]): {"step": r_tensors[f"opt.{k.split('.')[1]}.step"],
+                                                               "exp_avg": r_tensors[f"opt.{k.split('.')[1]}.exp_avg"],
+                                                               "exp_avg_sq": r_tensors[k]}
+                                       for k in r_tensors if k.startswith("opt.") and k.endswith(".exp_avg_sq")},
+                             "param_groups": r_meta["param_groups"]})
     seq = train.shape[1]
     per_step = max(1, settings.batch_tokens // seq)
     total = max(1, math.ceil(settings.tokens / (per_step * seq)))
@@ -267,7 +324,6 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
             return (step + 1) / warm
         return 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
 
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     ctx, bf16 = _autocast(str(device), settings.autocast)
     head = student.lm_head.weight
     with torch.no_grad(), ctx:  # the teacher's final hidden states on the held-out windows, once
@@ -279,68 +335,95 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
                   * t.shape[0] for s, t in zip(range(0, len(held_out), per_step), hold_t)]
         return (sum(kl) / len(held_out)).item()
 
+    def trainable() -> dict[str, torch.Tensor]:
+        return {f"param.{j}": p.detach().contiguous().cpu() for j, p in enumerate(params)}
+
     stream = WindowStream(train, settings.seed)
     checks = sorted({max(1, round(total * (i + 1) / settings.evals)) for i in range(settings.evals)})
-    before = best = held_kl()
-    kept_dir = tempfile.TemporaryDirectory(prefix="moeify-distill-")  # the best checked weights, on disk not in RAM
-    kept = f"{kept_dir.name}/kept.safetensors"
+    keeper = state if state is not None else _TempKeeper()
+    if resume is not None:
+        stream.load_state(r_tensors, r_meta["stream"])
+        before, best, best_step = r_meta["before"], r_meta["best"], r_meta["best_step"]
+        curve, ema, done = [tuple(c) for c in r_meta["curve"]], r_meta["ema"], r_meta["step"]
+        seconds_before, cpu_before = r_meta["seconds"], r_meta["cpu_seconds"]
+    else:
+        before = best = held_kl()
+        keeper.keep(trainable(), 0)
+        best_step, curve, ema, done, seconds_before, cpu_before = 0, [(0, before)], None, 0, 0.0, 0.0
+    t0, cpu0, hook_s, hook_cpu = time.time(), time.process_time(), 0.0, 0.0
 
-    def keep() -> None:
-        save_file({str(j): p.detach().contiguous().cpu() for j, p in enumerate(params)}, kept)
+    def snapshot(step: int) -> tuple[dict, dict]:
+        tensors = trainable()
+        opt_state = opt.state_dict()
+        for i, st in opt_state["state"].items():
+            for k, v in st.items():
+                tensors[f"opt.{i}.{k}"] = v.detach().contiguous().cpu()
+        stream_t, stream_m = stream.state()
+        tensors.update(stream_t)
+        meta = {"step": step, "total": total, "base_lrs": base_lrs, "param_groups": opt_state["param_groups"],
+                "stream": stream_m, "before": before, "best": best, "best_step": best_step,
+                "curve": [list(c) for c in curve], "ema": ema,
+                "seconds": seconds_before + time.time() - t0 - hook_s,
+                "cpu_seconds": cpu_before + time.process_time() - cpu0 - hook_cpu}
+        return tensors, meta
 
-    keep()
-    best_step, curve = 0, [(0, before)]
-    train_kl, ema, t0 = float("nan"), None, time.time()
-    cpu0, hook_s, hook_cpu = time.process_time(), 0.0, 0.0
-    if _STEP_HOOK is not None:  # the carved model, before any step
+    if _STEP_HOOK is not None and done == 0:  # the carved model, before any step
         h0, hc0 = time.time(), time.process_time()
         _STEP_HOOK(student, 0, 0)
         hook_s, hook_cpu = time.time() - h0, time.process_time() - hc0
-    for step in range(1, total + 1):
+    t_rate, done_rate = time.time(), done
+    for step in range(done + 1, total + 1):
+        for g, lr in zip(opt.param_groups, base_lrs):
+            g["lr"] = lr * lr_at(step - 1)
         opt.zero_grad(set_to_none=True)
-        step_kl = accumulate_kl(teacher, student, stream.take(per_step), head, ctx, settings)
+        step_kl = accumulate_kl(teacher, student, stream.take(per_step), head, ctx, settings).item()
         opt.step()
-        sched.step()
         ema = step_kl if ema is None else 0.95 * ema + 0.05 * step_kl
         if step in checks:
             kl = held_kl()
             curve.append((step, kl))
             if kl < best:
                 best, best_step = kl, step
-                keep()
+                keeper.keep(trainable(), step)
         if progress:
-            progress("tuning", step, total, f"train KL {ema:.3f}, held-out {curve[-1][1]:.3f}")
+            rate = (step - done_rate) * per_step * seq / max(1e-9, time.time() - t_rate)
+            progress("tuning", step * per_step * seq, total * per_step * seq,
+                     f"{rate:,.0f} tok/s, train KL {ema:.3f}, held-out {curve[-1][1]:.3f}")
         if _STEP_HOOK is not None:  # its time is not tuning time
             h0, hc0 = time.time(), time.process_time()
             _STEP_HOOK(student, step, step * per_step * seq)
             hook_s, hook_cpu = hook_s + time.time() - h0, hook_cpu + time.process_time() - hc0
+        keeper.checkpoint(step, total, lambda step=step: snapshot(step))
     train_kl = ema
     for m in moes:
         m.dense_grad = False
-    del opt, sched  # the Adam state, before the kept weights are read back
-    state = load_file(kept)
-    kept_dir.cleanup()
+    opt = None  # the Adam state, before the kept weights are read back
+    kept = keeper.kept()
+    if state is None:
+        keeper.close()
     with torch.no_grad():
         for j, p in enumerate(params):
-            p.copy_(state.pop(str(j)).to(p.device))
+            p.copy_(kept.pop(f"param.{j}").to(p.device))
             p.requires_grad_(False)
-    seconds = time.time() - t0 - hook_s
+    seconds = seconds_before + time.time() - t0 - hook_s
     tokens = total * per_step * seq
     return {"holdout_kl_before": before, "holdout_kl_after": best, "train_kl_end": train_kl, "step_kept": best_step,
             "holdout_curve": [[s, round(k, 5)] for s, k in curve], "steps": total, "tokens": tokens,
             "train_windows": int(train.shape[0]), "held_out_windows": int(held_out.shape[0]),
             "passes": round(tokens / max(1, train.numel()), 3), "seconds": round(seconds, 1),
-            "cpu_seconds": round(time.process_time() - cpu0 - hook_cpu, 1),
+            "cpu_seconds": round(cpu_before + time.process_time() - cpu0 - hook_cpu, 1),
             "seconds_per_1k_tokens": round(1024 * seconds / tokens, 3), "bf16_autocast": bf16,
             "router_trained": settings.train_router, "attention_trained": settings.train_attention}
 
 
-def share_frozen(teacher, student, train_attention: bool, lowp: torch.dtype | None = None) -> int:
+def share_frozen(teacher, student, train_attention: bool, lowp: torch.dtype | None = None,
+                 own_attention: set[int] = frozenset()) -> int:
     """Make the student use the teacher's own modules for everything tuning leaves frozen (embeddings, output head,
     final norm, and unless train_attention each layer's attention and norms), so the model is not held twice; with
     lowp (bf16 when distill runs under bf16 autocast) also store the teacher's FFN weights in that dtype: autocast
     casts them to it at every call anyway, so the teacher's outputs are bit-identical and its FFNs take half the
-    memory. Returns the bytes the student no longer holds."""
+    memory. Layers in own_attention keep the student's own attention and norms (an earlier run tuned them). Returns
+    the bytes the student no longer holds."""
     def nbytes(m):
         return sum(t.numel() * t.element_size() for t in {id(t): t for t in m.parameters()}.values())
 
@@ -350,9 +433,9 @@ def share_frozen(teacher, student, train_attention: bool, lowp: torch.dtype | No
             setattr(student.model, name, child)
     student.lm_head = teacher.lm_head
     if not train_attention:
-        for t_layer, s_layer in zip(teacher.model.layers, student.model.layers):
+        for i, (t_layer, s_layer) in enumerate(zip(teacher.model.layers, student.model.layers)):
             for name, child in list(t_layer.named_children()):
-                if name != "mlp":
+                if name != "mlp" and i not in own_attention:
                     setattr(s_layer, name, child)
     if lowp is not None:  # only the teacher's own FFNs: the shared modules are also run outside autocast
         for layer in teacher.model.layers:

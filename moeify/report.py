@@ -134,8 +134,8 @@ def print_plan(console: Console, plan, out: Path) -> None:
         text = ("the bundled sample (--calib TEXT: your own; --weight-only: none)" if cfg.calib == (str(BUNDLED_CALIB),)
                 else f"{len(cfg.calib)} file(s)")
         t.add_row("calibration", f"{tokens} of {text}, windows of {seq_len}; feed: {cfg.calib_feed}")
-        if cfg.tune_epochs:
-            t.add_row("layer tuning", f"{cfg.tune_epochs} epoch(s), step {cfg.tune_lr:g} × weight RMS")
+        if cfg.fit_epochs:
+            t.add_row("layer tuning", f"{cfg.fit_epochs} epoch(s), step {cfg.fit_lr:g} × weight RMS")
         if cfg.tune_tokens and cfg.top_k < cfg.experts:
             what = ("experts" + (" + routers" if cfg.tune_router else "")
                     + (" + attention and norms" if cfg.tune_attention else ""))
@@ -191,12 +191,48 @@ def print_result(console: Console, report: dict, out: Path) -> None:
                   f"({report['format']}, {len(report['layers'])} layers)", soft_wrap=True)
     if report.get("calibration"):
         console.print(calibration_summary(report["calibration"]), soft_wrap=True)
-        tuning = report["calibration"].get("tuning")
-        if tuning and tuning.get("scope") == "model":
-            console.print(f"tuned on {tuning['tokens']:,} tokens ({tuning['steps']} steps, {tuning['passes']:.2f} "
-                          f"passes over {tuning['train_windows']} windows) in {tuning['seconds']:.0f}s: held-out KL "
-                          f"to dense {tuning['holdout_kl_before']:.3f} → {tuning['holdout_kl_after']:.3f} (training "
-                          f"{tuning['train_kl_end']:.3f})", soft_wrap=True)
+    if report.get("tuning"):
+        print_tuning(console, report, header=False)
+
+
+def print_tuning(console: Console, report: dict, header: bool = True, estimate: bool = False,
+                 out: Path | None = None) -> None:
+    """`moeify tune` (and convert's tuning): the run just finished and the output's whole tuning history; with
+    estimate, `tune --dry-run`'s measured step and predicted time."""
+    if estimate:
+        e = report
+        t = Table(title=f"moeify tune --dry-run: {e['tokens']:,} tokens on {e['device']}", title_justify="left")
+        t.add_column("")
+        t.add_column("", justify="right")
+        t.add_row("tuning step", f"{e['step_seconds']:.2f} s per {e['step_tokens']:,} tokens "
+                  f"({e['tokens_per_second']:,.0f} tok/s)")
+        t.add_row("sampling", f"{e['sampled_tokens']:,} tokens, {e['sampling_seconds_per_1k']:.2f} s per 1,024")
+        t.add_row("estimated time", f"{_duration(e['estimated_seconds'])} (sampling {_duration(e['sampling_seconds'])}"
+                  f", tuning {_duration(e['tuning_seconds'])})")
+        t.add_row("peak memory", f"{e['peak_bytes'] / 1e9:.2f} GB ({e['peak_what']})")
+        console.print(t)
+        return
+    history = report.get("tuning", {})
+    runs = history.get("runs", [])
+    if not runs:
+        return
+    run = runs[-1]
+    if header:
+        console.print(f"[bold green]wrote[/] {escape(str(out))} (tuned towards {escape(str(report.get('source', '')))})",
+                      soft_wrap=True, highlight=False)
+    console.print(f"tuned on {run['tokens']:,} tokens ({run['steps']} steps, {run['passes']:.2f} passes over "
+                  f"{run['train_windows']} windows) in {run['seconds']:.0f}s ({run['seconds_per_1k_tokens']:.2f} s per "
+                  f"1,024 tokens): held-out KL to dense {run['holdout_kl_before']:.3f} → {run['holdout_kl_after']:.3f} "
+                  f"(training {run['train_kl_end']:.3f})", soft_wrap=True)
+    if len(runs) > 1:
+        console.print(f"in all: {history['tokens']:,} tuning tokens over {len(runs)} runs, "
+                      f"{_duration(history['seconds'])}", soft_wrap=True)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, m = seconds // 3600, seconds % 3600 // 60
+    return f"{h} h {m:02d} min" if h else f"{m} min {seconds % 60:02d} s"
 
 
 # ------------------------------------------------------------------------------------------- plan / inspect

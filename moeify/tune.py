@@ -1,112 +1,729 @@
-"""Light tuning of a carved FFN layer: gradient steps on its experts' weights towards a target output.
+"""Recovery tuning as a stage: `moeify tune SRC OUT` and the tuning step of `moeify convert --tune-tokens N`.
 
-Layer-local distillation: the carved layer (its neurons' gate_proj / up_proj / down_proj, in source neuron order,
-with the routing fixed by its router) is fitted to the output the dense model wants from it on cached calibration
-inputs: the dense FFN's output, or (calib_feed = "corrected") whatever restores the dense model's residual stream.
-Data in, tensors out; no I/O and nothing about checkpoints.
+The stage distils a moeify output (tuned or not) towards its dense source (moeify.distill) and writes the result
+back all or nothing, as convert writes its output. Everything the student needs is read from OUT (the expert
+tensors, routers and each layer's neuron permutation in report.json) and SRC (the teacher), so an output can be
+tuned further at any later time, and `convert` runs the same code on the carve it has just written.
 
-Why these choices:
-- The routing (which neurons each token uses) is held fixed at the router's choice, so the tuned experts are
-  trained for exactly the routing the exported model computes; the router and the routing semantics are unchanged.
-- The objective is the relative squared error ||out - target||^2 / ||target||^2, a scale-free loss, and the step
-  size of every tensor is proportional to its own RMS (Adam's updates have the size of the learning rate, so a
-  relative learning rate means the same thing for every tensor and every model).
-- The last `holdout` share of the tokens is never trained on; the weights of the epoch with the best held-out
-  loss are kept (the carved weights if no epoch beats them), so tuning never makes the layer worse on held-out
-  tokens.
-- Deterministic under a seed (the minibatch order is the only randomness).
+Resumable: the run's whole state (trainable weights, Adam moments, the schedule's position, the token stream's
+position and generator, the best checked weights, the held-out curve, the tuning text itself) lives in
+`OUT.moeify-tune/` next to OUT, saved atomically every `save_every` seconds, at the last step, and when SIGINT or
+SIGTERM asks the run to stop (at the end of the step in progress; a second signal stops at once). `--resume`
+continues from it and ends with the weights an uninterrupted run would have (same machine and thread count). The
+state names its source and base by fingerprint and its settings, and a state that does not match is refused, never
+silently reused. It is removed when the tuned output is committed.
+
+Layout of `OUT.moeify-tune/`:
+    run.json                 what the run is: source and base fingerprints, settings, seeds, the base's path
+    carved/                  (convert only) the untuned carve the run starts from
+    sampled/batch-NNNNN.*    the dense model's own text, one file per sampling batch, while sampling
+    data.safetensors         the tuning text: training and held-out windows (once assembled)
+    state.json               the last saved snapshot's step and metadata (replaced atomically)
+    state-STEP.safetensors   that snapshot's tensors; best-STEP.safetensors the best checked weights
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import struct
+import threading
+import time
+import tomllib
 from dataclasses import dataclass
-
-import math
+from pathlib import Path
+from typing import Callable
 
 import torch
-import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from .checkpoint import (INDEX_NAME, CheckpointReader, ShardLayout, ShardWriter, check_free_space, commit_output,
+                         prepare_output)
+from .config import ConvertConfig, build_config, config_to_toml
+from .errors import MoeifyError
+from .families import ATTENTION_TENSORS, TOKENIZER_FILES, ffn_tensor_names
+from .numerics import release_memory, resolve_device
+from .partition import Partition
+
+TUNE_SUFFIX = ".moeify-tune"
+STATE_VERSION = 1
+SAVE_EVERY = 600.0  # seconds between saved states (and one at the last step, and on SIGINT / SIGTERM)
+SAMPLE_BATCH = 64  # windows the dense model samples at once
+
+Progress = Callable[..., None]
+
+
+def state_dir(out: Path) -> Path:
+    out = Path(out)
+    return out.with_name(out.name + TUNE_SUFFIX)
 
 
 @dataclass(frozen=True)
-class TuneSettings:
-    epochs: int = 2  # passes over the training tokens
-    lr: float = 0.01  # Adam step size relative to each tensor's RMS
-    batch_tokens: int = 1024
-    holdout: float = 0.1
-    seed: int = 0
+class TuneOptions:
+    """What a tuning run is asked to do (`moeify tune` flags; `convert` derives them from its --tune-* flags)."""
+
+    tokens: int  # training tokens of this run (its own warm-up and cosine schedule)
+    lr: float = 0.003  # Adam step relative to each expert tensor's RMS (moeify.distill.DistillSettings.lr)
+    generated: float = 0.5  # share of the tokens the dense model samples itself
+    calib: tuple[str, ...] = ()  # real tuning text; () = the output's own calibration text (its moeify.toml)
+    tune_text: tuple[str, ...] = ()  # more real text; () with calib () = the output's own --tune-text
+    train_router: bool = True
+    train_attention: bool = False
+    seed: int | None = None  # None: the output's seed, moved on by the number of earlier runs (fresh text each run)
+
+    def validate(self) -> None:
+        if not isinstance(self.tokens, int) or isinstance(self.tokens, bool) or self.tokens < 1:
+            raise MoeifyError(f"--tokens must be a positive integer (tuning tokens), got {self.tokens!r}")
+        if not 0.0 < self.lr < 1.0:
+            raise MoeifyError(f"--lr must be in (0, 1) (a step size relative to each weight's RMS), got {self.lr}")
+        if not 0.0 <= self.generated < 1.0:
+            raise MoeifyError(f"--tune-generated must be in [0, 1) (the share of tuning windows the dense model "
+                              f"samples itself), got {self.generated}")
+        for f in (*self.calib, *self.tune_text):
+            if not Path(f).is_file():
+                raise MoeifyError(f"tuning text {f} not found", "pass existing .txt/.jsonl files to --calib / --tune-text")
 
 
-def masked_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-               mask: torch.Tensor) -> torch.Tensor:
-    """(act(x gate^T) * (x up^T) * mask) down^T: the carved FFN with the neurons each token does not use dropped."""
-    return ((F.silu(x @ gate.T) * (x @ up.T)) * mask) @ down.T
+def options_from_config(cfg: ConvertConfig) -> TuneOptions:
+    """The tuning run `convert --tune-tokens` asks for."""
+    return TuneOptions(tokens=cfg.tune_tokens, lr=cfg.tune_model_lr, generated=cfg.tune_generated,
+                       train_router=cfg.tune_router, train_attention=cfg.tune_attention)
 
 
-def _rel_error(x, target, gate, up, down, mask, batch: int = 8192) -> float:
-    err, norm = 0.0, 0.0
-    for s in range(0, x.shape[0], batch):
-        out = masked_ffn(x[s:s + batch], gate, up, down, mask[s:s + batch])
-        err += (out - target[s:s + batch]).square().sum().item()
-        norm += target[s:s + batch].square().sum().item()
-    return err / max(norm, 1e-30)
+class TuningInterrupted(KeyboardInterrupt):
+    """A run stopped by SIGINT / SIGTERM after saving its state."""
+
+    def __init__(self, step: int, total: int):
+        super().__init__(f"tuning stopped at step {step} of {total}; its state is saved")
+        self.step, self.total = step, total
 
 
-def tune_layer(x: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-               down: torch.Tensor, settings: TuneSettings = TuneSettings(),
-               tensors: tuple[str, ...] = ("gate", "up", "down")) -> tuple[dict[str, torch.Tensor], dict]:
-    """Fit the carved FFN to `target` on its cached inputs.
-
-    x: (n, d_model) FFN inputs, target: (n, d_model), mask: (n, d_ff) bool (the routing), gate/up: (d_ff, d_model),
-    down: (d_model, d_ff), all on one device. `tensors`: which of gate/up/down are trained.
-    Returns ({name: tuned tensor} for the names in `tensors`, float32, info) where info has the held-out relative
-    error before and after, the epoch kept (0 = the carved weights) and the number of optimizer steps.
-    """
-    n = x.shape[0]
-    n_fit = n - max(1, int(settings.holdout * n))
-    x, target = x.float(), target.float()
-    maskf = mask.to(x.dtype)
-    params = {"gate": gate, "up": up, "down": down}
-    trained = {k: torch.nn.Parameter(params[k].detach().float().clone()) for k in tensors}
-    weights = {k: trained.get(k, params[k].float()) for k in params}
-    hold = slice(n_fit, n)
-
-    def held_out() -> float:
-        with torch.no_grad():
-            return _rel_error(x[hold], target[hold], weights["gate"], weights["up"], weights["down"], maskf[hold])
-
-    before = best = held_out()
-    best_state, best_epoch = {k: p.detach().clone() for k, p in trained.items()}, 0
-    groups = [{"params": [p], "lr": settings.lr * p.detach().pow(2).mean().sqrt().item()} for p in trained.values()]
-    opt = torch.optim.Adam(groups, betas=(0.9, 0.99))
-    steps_per_epoch = max(1, n_fit // settings.batch_tokens)
-    total = steps_per_epoch * settings.epochs
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / total)))
-    gen = torch.Generator().manual_seed(settings.seed)
-    # Normalise by the target's mean square over the training tokens (one constant: the loss is the relative error)
-    scale = 1.0 / target[:n_fit].square().sum(1).mean().clamp_min(1e-30)
-    steps = 0
-    with torch.enable_grad():  # callers run under no_grad
-        for epoch in range(1, settings.epochs + 1):
-            steps += _epoch(x, target, maskf, weights, opt, sched, gen, n_fit, settings.batch_tokens, scale)
-            err = held_out()
-            if err < best:
-                best, best_epoch = err, epoch
-                best_state = {k: p.detach().clone() for k, p in trained.items()}
-    info = {"holdout_rel_error_before": before, "holdout_rel_error_after": best, "epoch_kept": best_epoch,
-            "steps": steps, "tokens": n_fit, "tensors": list(tensors)}
-    return best_state, info
+# ------------------------------------------------------------------------------------------ the base output
 
 
-def _epoch(x, target, maskf, weights, opt, sched, gen, n_fit: int, batch: int, scale) -> int:
-    """One pass over the training tokens in a seeded random order. Returns the number of steps."""
-    order = torch.randperm(n_fit, generator=gen).to(x.device)
-    steps = max(1, n_fit // batch)
-    for s in range(steps):
-        idx = order[s * batch:(s + 1) * batch]
-        out = masked_ffn(x[idx], weights["gate"], weights["up"], weights["down"], maskf[idx])
-        loss = (out - target[idx]).square().sum(1).mean() * scale
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
-    return steps
+@dataclass
+class BaseOutput:
+    """What a moeify output says of itself: its settings, report (layers with their permutations) and config."""
+
+    path: Path
+    cfg: ConvertConfig
+    provenance: dict
+    report: dict
+    config_json: dict
+
+    @property
+    def fmt(self) -> str:
+        return self.report["format"]
+
+    @property
+    def runs(self) -> list[dict]:
+        return list(self.report.get("tuning", {}).get("runs", []))
+
+
+def read_output(path: Path) -> BaseOutput:
+    path = Path(path)
+    if not path.is_dir():
+        raise MoeifyError(f"{path} is not a directory", "pass the output directory of an earlier `moeify convert`")
+    missing = [n for n in ("moeify.toml", "report.json", "config.json") if not (path / n).is_file()]
+    if missing:
+        raise MoeifyError(f"{path} is not a moeify output (no {missing[0]})",
+                          "`moeify tune` tunes what `moeify convert` wrote; convert the dense checkpoint first")
+    try:
+        report = json.loads((path / "report.json").read_text())
+        config_json = json.loads((path / "config.json").read_text())
+        toml = tomllib.loads((path / "moeify.toml").read_text())
+        cfg = build_config(path / "moeify.toml")
+    except (ValueError, tomllib.TOMLDecodeError) as exc:
+        raise MoeifyError(f"{path}: report.json, config.json or moeify.toml cannot be read ({exc})",
+                          "the output is damaged; convert again") from None
+    layers = report.get("layers")
+    if not isinstance(layers, list) or not all(isinstance(e, dict) for e in layers):
+        raise MoeifyError(f"{path}/report.json has no per-layer record", "the output is damaged; convert again")
+    for e in layers:
+        if not e.get("dense") and not isinstance(e.get("perm"), list):
+            raise MoeifyError(f"{path}/report.json: layer {e.get('layer')} has no neuron permutation",
+                              "outputs of moeify 0.1 before the permutation was recorded cannot be tuned; convert again")
+    return BaseOutput(path, cfg, toml.get("provenance", {}), report, config_json)
+
+
+def _hash_files(h, root: Path, names) -> None:
+    for name in names:
+        f = root / name
+        h.update(name.encode())
+        if f.is_file():
+            h.update(f.read_bytes())
+
+
+def _weights_fingerprint(h, root: Path) -> None:
+    """Names, sizes and safetensors headers of every weight file (cheap: no tensor data read)."""
+    for f in sorted(root.glob("*.safetensors")):
+        h.update(f.name.encode() + str(f.stat().st_size).encode())
+        with open(f, "rb") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            h.update(fh.read(min(n, 1 << 26)))
+
+
+def source_fingerprint(src: Path) -> str:
+    h = hashlib.sha256()
+    _hash_files(h, Path(src), ["config.json"])
+    _weights_fingerprint(h, Path(src))
+    return h.hexdigest()[:32]
+
+
+def base_fingerprint(base: Path) -> str:
+    h = hashlib.sha256()
+    _hash_files(h, Path(base), ["config.json", "report.json", "moeify.toml", INDEX_NAME])
+    _weights_fingerprint(h, Path(base))
+    return h.hexdigest()[:32]
+
+
+# ------------------------------------------------------------------------------------------ the saved state
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp))
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+class TuningState:
+    """The state directory's snapshots: moeify.distill.distill's `state` (keep / kept / checkpoint)."""
+
+    def __init__(self, root: Path, save_every: float = SAVE_EVERY):
+        self.root, self.save_every = Path(root), save_every
+        self.stop_requested = False
+        self._best: str | None = None
+        self._last = time.time()
+
+    def keep(self, tensors: dict[str, torch.Tensor], step: int) -> None:
+        name = f"best-{step}.safetensors"
+        _atomic_save(tensors, self.root / name)
+        self._best = name
+
+    def kept(self) -> dict[str, torch.Tensor]:
+        return load_file(str(self.root / self._best))
+
+    def checkpoint(self, step: int, total: int, snapshot) -> None:
+        """Save the run's state when it is due: every save_every seconds, at the last step, on a stop request (and
+        then stop). The snapshot file is written first, state.json (which names it) replaced atomically after, and
+        only then are older snapshots removed: a kill at any moment leaves one complete state."""
+        if not (self.stop_requested or step == total or time.time() - self._last >= self.save_every):
+            return
+        tensors, meta = snapshot()
+        meta["best_file"] = self._best
+        name = f"state-{step}.safetensors"
+        _atomic_save(tensors, self.root / name)
+        _atomic_write(self.root / "state.json", json.dumps({"version": STATE_VERSION, "file": name, "meta": meta})
+                      .encode())
+        for f in self.root.glob("*.safetensors"):
+            if f.name.startswith(("state-", "best-")) and f.name not in (name, self._best):
+                f.unlink(missing_ok=True)
+        self._last = time.time()
+        if self.stop_requested and step < total:
+            raise TuningInterrupted(step, total)
+
+    def load(self) -> tuple[dict, dict] | None:
+        f = self.root / "state.json"
+        if not f.is_file():
+            return None
+        try:
+            saved = json.loads(f.read_text())
+            tensors = load_file(str(self.root / saved["file"]))
+        except (ValueError, KeyError, OSError) as exc:
+            raise MoeifyError(f"the saved tuning state in {self.root} cannot be read ({exc})",
+                              "start again with --restart") from None
+        self._best = saved["meta"]["best_file"]
+        return tensors, saved["meta"]
+
+    def progress(self) -> tuple[int, int] | None:
+        try:
+            meta = json.loads((self.root / "state.json").read_text())["meta"]
+            return meta["step"], meta["total"]
+        except (OSError, ValueError, KeyError):
+            return None
+
+
+@contextlib.contextmanager
+def _stop_on_signal(state: TuningState, notify: Callable[[str], None] | None):
+    """SIGINT / SIGTERM: the first asks the run to save and stop at the end of its step; a second stops at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        if state.stop_requested:
+            raise KeyboardInterrupt
+        state.stop_requested = True
+        if notify:
+            notify("stopping: saving the tuning state at the end of this step (signal again to stop at once)")
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _lock(root: Path) -> None:
+    from .checkpoint import _pid_alive
+
+    f = root / "lock.json"
+    try:
+        info = json.loads(f.read_text())
+    except (OSError, ValueError):
+        info = {}
+    pid = info.get("pid")
+    if isinstance(pid, int) and pid != os.getpid() and info.get("host") == socket.gethostname() and _pid_alive(pid):
+        raise MoeifyError(f"another moeify (pid {pid}) is tuning into {root} right now", "wait for it, or stop it first")
+    _atomic_write(f, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}).encode())
+
+
+def describe_state(root: Path) -> str:
+    try:
+        run = json.loads((root / "run.json").read_text())
+    except (OSError, ValueError):
+        return "unreadable"
+    done = TuningState(root).progress()
+    steps = f"step {done[0]:,} of {done[1]:,} saved" if done else "no step saved yet"
+    return f"{run['options']['tokens']:,} tokens, {steps}, started {time.strftime('%Y-%m-%d %H:%M', time.localtime(run['created']))}"
+
+
+def resume_command(src: Path, out: Path) -> str:
+    return f"moeify tune {src} {out} --resume"
+
+
+# ------------------------------------------------------------------------------------------ the tuning text
+
+
+def _text_sources(base: BaseOutput, opts: TuneOptions) -> list[tuple[str, list[str], int]]:
+    """(name, files, windows the carve calibrated on) of each real text: the output's calibration text (or
+    --calib), --tune-text, and the bundled broad sample unless already among them."""
+    from .config import BUNDLED_CALIB
+
+    calib = list(opts.calib) or list(base.cfg.calib)
+    tune_text = list(opts.tune_text) if (opts.calib or opts.tune_text) else list(base.cfg.tune_text)
+    used = int(base.report.get("calibration", {}).get("windows", 0)) if list(calib) == list(base.cfg.calib) else 0
+    for f in (*calib, *tune_text):
+        if not Path(f).is_file():
+            raise MoeifyError(f"tuning text {f} (recorded in {base.path}/moeify.toml) not found",
+                              "pass the text to tune on with --calib FILE (and --tune-text FILE)")
+    sources = [("calib", calib, used)]
+    if tune_text:
+        sources.append(("tune_text", tune_text, 0))
+    if str(BUNDLED_CALIB) not in calib:
+        sources.append(("bundled", [str(BUNDLED_CALIB)], 0))
+    return sources
+
+
+def real_windows(src_path: Path, sources, seq: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Every window of the real texts; the last windows of each (after those the carve calibrated on) held out."""
+    from .calibrate import text_windows
+
+    train, held, text = [], [], {}
+    for name, files, used in sources:
+        w = text_windows(src_path, files, seq)
+        n_hold = min(4, max(0, (w.shape[0] - used) // 5))  # only windows the carve never saw
+        train.append(w[: w.shape[0] - n_hold])
+        held.append(w[w.shape[0] - n_hold:])
+        text[name] = {"files": [str(f) for f in files], "windows": int(w.shape[0]), "held_out": n_hold}
+    return torch.cat(train), torch.cat(held), text
+
+
+def sampled_windows(teacher, real: torch.Tensor, n_windows: int, seed: int, folder: Path,
+                    progress: Progress | None) -> torch.Tensor:
+    """n_windows of the dense model's own continuations of short prompts cut from the real text, sampled
+    SAMPLE_BATCH at a time, each batch under its own seed and saved to `folder` as it is done, so an interrupted
+    sampling resumes at its next batch with the same text."""
+    from .distill import sample_text
+
+    seq = real.shape[1]
+    n_prompt = min(16, seq // 4)
+    gen = torch.Generator().manual_seed(seed + 1)
+    starts = real[torch.randint(real.shape[0], (n_windows,), generator=gen)]
+    offs = torch.randint(seq - n_prompt + 1, (n_windows,), generator=gen)
+    prompts = torch.stack([w[o:o + n_prompt] for w, o in zip(starts, offs)])
+    folder.mkdir(exist_ok=True)
+    out = []
+    n_batches = -(-n_windows // SAMPLE_BATCH)
+    for b in range(n_batches):
+        f = folder / f"batch-{b:05d}.safetensors"
+        if f.is_file():
+            out.append(load_file(str(f))["windows"])
+        else:
+            batch = prompts[b * SAMPLE_BATCH:(b + 1) * SAMPLE_BATCH]
+            out.append(sample_text(teacher, batch, seq - n_prompt, seed * 100_003 + b, batch=SAMPLE_BATCH))
+            _atomic_save({"windows": out[-1].contiguous()}, f)
+            release_memory()  # the sampling's KV cache
+        if progress:
+            progress("sampling tuning text", min((b + 1) * SAMPLE_BATCH, n_windows) * seq, n_windows * seq)
+    return torch.cat(out)
+
+
+def tuning_data(root: Path, src_path: Path, base: BaseOutput, opts: TuneOptions, seq: int, seed: int, teacher,
+                progress: Progress | None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The run's tuning text, assembled once and saved in the state directory (a resumed run reads it back): every
+    window of the real texts, and windows the dense model samples itself (opts.generated of the budget, never
+    repeated), a few of each held out for early stopping. Returns (train, held out, description)."""
+    f = root / "data.safetensors"
+    if f.is_file():
+        data = load_file(str(f))
+        return data["train"], data["held_out"], json.loads((root / "data.json").read_text())
+    real, held, text = real_windows(src_path, _text_sources(base, opts), seq)
+    train, held_parts = [real], [held]
+    n_gen = round(opts.generated * opts.tokens / seq)
+    if n_gen:
+        n_hold_gen = min(2, max(1, n_gen // 10))
+        sampled = sampled_windows(teacher, real, n_gen + n_hold_gen, seed, root / "sampled", progress)
+        train.append(sampled[n_hold_gen:])
+        held_parts.append(sampled[:n_hold_gen])
+        text["generated"] = {"windows": int(sampled.shape[0]), "held_out": n_hold_gen,
+                             "prompt_tokens": min(16, seq // 4)}
+    train, held_out = torch.cat(train), torch.cat(held_parts)
+    if held_out.shape[0] == 0:  # tiny texts: hold out the last training window rather than nothing
+        held_out, train = train[-1:], train[:-1]
+    (root / "data.json").write_text(json.dumps(text))
+    _atomic_save({"train": train.contiguous(), "held_out": held_out.contiguous()}, f)
+    shutil.rmtree(root / "sampled", ignore_errors=True)
+    return train, held_out, text
+
+
+# ------------------------------------------------------------------------------------------ student and output
+
+
+def _partition(entry: dict, cfg: ConvertConfig) -> Partition:
+    return Partition(torch.tensor(entry["perm"], dtype=torch.long), int(entry["shared_neurons"]), cfg.experts,
+                     int(entry["expert_sizes"][0]))
+
+
+def build_student(teacher, base: BaseOutput, reader: CheckpointReader, device: str):
+    """The dense model with every carved layer's FFN replaced by a MaskedMoE holding OUT's experts (un-permuted to
+    the dense neuron order) and router (its scale folded in: log scale 0); layers whose attention an earlier run
+    tuned take OUT's attention and norms. Returns (student, those layers)."""
+    from .convert import unpermute_ffn
+    from .distill import MaskedMoE
+
+    cfg, fmt = base.cfg, base.fmt
+    student = copy.deepcopy(teacher)
+    own_attention = set()
+    for entry in base.report["layers"]:
+        i = entry["layer"]
+        if entry.get("attention_tuned"):
+            own_attention.add(i)
+            with torch.no_grad():
+                for name in ATTENTION_TENSORS:
+                    w = student.get_submodule(f"model.layers.{i}.{name}").weight
+                    w.copy_(reader.get(f"model.layers.{i}.{name}.weight").to(w.dtype))
+        if entry.get("dense"):
+            continue
+        names = ffn_tensor_names(fmt, i, cfg.experts, False, cfg.shared > 0)
+        tensors = {n: reader.get(n) for n in names}
+        gate, up, down = unpermute_ffn(tensors, _partition(entry, cfg), fmt, i, cfg)
+        c = entry.get("shared_gate") if fmt == "qwen2_moe" else None
+        student.model.layers[i].mlp = MaskedMoE(gate, up, down, tensors[names[0]].float(), 1.0,
+                                                _partition(entry, cfg).labels(), cfg.top_k, fmt, c).to(device)
+    return student, own_attention
+
+
+def _base_layout(reader: CheckpointReader) -> ShardLayout:
+    """The base output's shard layout (files and the order of their tensors), to write the tuned output alike."""
+    files: dict[str, list[str]] = {}
+    for name in sorted(reader.tensors, key=reader.location):
+        files.setdefault(reader.location(name)[0], []).append(name)
+    return ShardLayout([[reader.tensors[n] for n in files[f]] for f in sorted(files)])
+
+
+def write_tuned(base: BaseOutput, reader: CheckpointReader, student, tmp: Path, train_attention: bool,
+                report: dict, toml_tuning: dict) -> None:
+    """The tuned output in `tmp`: the base's tensors, with every carved layer's experts and router (and, when
+    trained, attention and norms) taken from the student, in the base's shard layout; config, tokenizer, and the
+    base's report.json / moeify.toml with the tuning history."""
+    from .convert import ffn_output_tensors
+    from .distill import MaskedMoE
+
+    cfg, fmt = base.cfg, base.fmt
+    layout = _base_layout(reader)
+    if layout.file_names() != sorted({reader.location(n)[0] for n in reader.tensors}):
+        raise MoeifyError(f"{base.path}: its weight files are not named as moeify names them",
+                          "tune an output written by moeify convert")
+    new: dict[str, torch.Tensor] = {}
+    writer = ShardWriter(tmp, layout)
+    order = [t for f in layout.files for t in f]
+    pending_layer = None
+    try:
+        for t in order:
+            if t.name.startswith("model.layers."):
+                i = int(t.name.split(".")[2])
+                if i != pending_layer:
+                    pending_layer, new = i, {}
+                    entry = base.report["layers"][i]
+                    mlp = student.model.layers[i].mlp
+                    if isinstance(mlp, MaskedMoE):
+                        out_dtype = reader.tensors[ffn_tensor_names(fmt, i, cfg.experts, False, cfg.shared > 0)[1]].dtype
+                        new = ffn_output_tensors(fmt, i, _partition(entry, cfg), mlp.exported_router().float().cpu(),
+                                                 mlp.gate.detach().cpu(), mlp.up.detach().cpu(), mlp.down.detach().cpu(),
+                                                 cfg, out_dtype, entry.get("shared_gate", 0.0))
+                    if train_attention:
+                        for name in ATTENTION_TENSORS:
+                            new[f"model.layers.{i}.{name}.weight"] = student.get_submodule(
+                                f"model.layers.{i}.{name}").weight.detach().cpu()
+            value = new.pop(t.name, None)
+            writer.write(t.name, (reader.get(t.name) if value is None else value).to(t.dtype))
+        writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    (tmp / "config.json").write_text(json.dumps(base.config_json, indent=2, sort_keys=True) + "\n")
+    for name in TOKENIZER_FILES:
+        f = base.path / name
+        if f.is_file():
+            shutil.copyfile(f, tmp / name)
+    text = config_to_toml(cfg, base.provenance)
+    text += "\n[tuning]\n" + "\n".join(f"{k} = {json.dumps(v)}" for k, v in toml_tuning.items()) + "\n"
+    (tmp / "moeify.toml").write_text(text)
+    (tmp / "report.json").write_text(json.dumps(report) + "\n")
+
+
+def _check_written(tmp: Path, reader: CheckpointReader) -> None:
+    written = CheckpointReader(tmp).tensors
+    if {n: (t.shape, t.dtype) for n, t in written.items()} != {n: (t.shape, t.dtype) for n, t in reader.tensors.items()}:
+        raise RuntimeError(f"output check failed: the tuned tensors in {tmp} differ in names, shapes or dtypes from the base")
+    from .verify import check_structure
+
+    problems, _, _ = check_structure(tmp)
+    if problems:
+        raise RuntimeError("output check failed: " + "; ".join(problems))
+
+
+def _updated_report(base: BaseOutput, run: dict, train_router: bool, train_attention: bool) -> tuple[dict, dict]:
+    report = copy.deepcopy(base.report)
+    report.get("calibration", {}).pop("tuning", None)
+    runs = base.runs + [run]
+    report["tuning"] = {"tokens": sum(r["tokens"] for r in runs), "seconds": round(sum(r["seconds"] for r in runs), 1),
+                        "holdout_kl": run["holdout_kl_after"], "runs": runs}
+    for entry in report["layers"]:
+        if entry.get("dense"):
+            if train_attention:
+                entry["attention_tuned"] = True
+            continue
+        tuned = set(entry.get("tuned", [])) | {"gate", "up", "down"} | ({"router"} if train_router else set())
+        entry["tuned"] = [t for t in ("gate", "up", "down", "router") if t in tuned]
+        if train_router:
+            entry["router_scale"] = 1.0  # folded into the trained router rows
+        if train_attention:
+            entry["attention_tuned"] = True
+    toml = {"tokens": report["tuning"]["tokens"], "runs": len(runs), "holdout_kl": round(run["holdout_kl_after"], 5),
+            "seconds": report["tuning"]["seconds"]}
+    return report, toml
+
+
+# ------------------------------------------------------------------------------------------ the stage
+
+
+def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = None, *, resume: bool = False,
+                restart: bool = False, device: str = "auto", save_every: float = SAVE_EVERY,
+                progress: Progress | None = None, notify: Callable[[str], None] | None = None,
+                base: Path | None = None, given: dict | None = None) -> dict:
+    """Tune the moeify output OUT (or `base`, the carve convert has just written) towards its dense source SRC and
+    write the result to OUT all or nothing. Returns the new report.json.
+
+    resume: continue the interrupted run saved in OUT.moeify-tune (opts None: its own; `given`, the options the
+    caller set explicitly, must agree with it). restart: discard such a state and start anew."""
+    from transformers import AutoModelForCausalLM
+
+    from .distill import DistillSettings, _autocast, distill, share_frozen
+    from .families import load_source
+
+    src, out = Path(src), Path(out)
+    root = state_dir(out)
+    if resume and restart:
+        raise MoeifyError("--resume and --restart contradict each other", "pass one of them")
+    load_source(src)  # a dense llama/mistral checkpoint, or a clear error
+    if resume:
+        if not (root / "run.json").is_file():
+            raise MoeifyError(f"there is no interrupted tuning of {out} to resume (no {root.name}/run.json)",
+                              f"start one: moeify tune {src} {out} --tokens N")
+        _lock(root)
+        run_info = json.loads((root / "run.json").read_text())
+        if run_info.get("version") != STATE_VERSION:
+            raise MoeifyError(f"{root} was written by another version of moeify", "start again with --restart")
+        base = root / run_info["base"] if run_info["base"] == "carved" else out
+        saved = TuneOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in run_info["options"].items()})
+        for k, v in (given or {}).items():
+            if v is not None and getattr(saved, k) != (tuple(v) if isinstance(v, list) else v):
+                raise MoeifyError(f"--resume: the interrupted run was started with {k} = {getattr(saved, k)!r}, "
+                                  f"not {v!r}", "resume without that flag, or start anew with --restart")
+        opts = saved
+        if source_fingerprint(src) != run_info["source"]:
+            raise MoeifyError(f"{root} is the tuning state of another source than {src} (its weights or config "
+                              "differ)", "resume with the source it was started with, or start anew with --restart")
+        if not base.is_dir() or base_fingerprint(base) != run_info["base_fingerprint"]:
+            raise MoeifyError(f"{root} was started from another {base} (the output changed since)",
+                              "start anew with --restart")
+    else:
+        if base is None:  # an interrupted convert's carve waits in the state directory
+            base = root / "carved" if (root / "carved").is_dir() else out
+        base = Path(base)
+        if (root / "run.json").exists():
+            if not restart:
+                raise MoeifyError(f"{out} has an interrupted tuning in {root} ({describe_state(root)})",
+                                  f"continue it with: {resume_command(src, out)}; or pass --restart to discard it")
+            _lock(root)
+            keep_carved = base.resolve().parent == root.resolve()
+            for f in root.iterdir():
+                if not (keep_carved and f.name == "carved"):
+                    shutil.rmtree(f) if f.is_dir() else f.unlink()
+        if opts is None:
+            raise MoeifyError("--tokens is required", "e.g. --tokens 262144")
+        opts.validate()
+        if not base.exists():
+            raise MoeifyError(f"output {out} not found", "pass the directory `moeify convert` wrote")
+    bo = read_output(base)
+    cfg = bo.cfg
+    if cfg.top_k >= cfg.experts:
+        raise MoeifyError(f"{base}: every expert is active (top-k {cfg.top_k} of {cfg.experts}): the model is the "
+                          "dense one and there is nothing to tune")
+    check_free_space(out, sum(f.stat().st_size for f in base.glob("*.safetensors")), overwrite=True)
+    run_index = len(bo.runs)
+    seed = opts.seed if opts.seed is not None else cfg.seed + 1000 * run_index
+    if not resume:
+        root.mkdir(parents=True, exist_ok=True)
+        _lock(root)
+        _atomic_write(root / "run.json", json.dumps({
+            "version": STATE_VERSION, "created": time.time(), "source": source_fingerprint(src),
+            "base": "carved" if base.resolve().parent == root.resolve() else "out",
+            "base_fingerprint": base_fingerprint(base), "options": dataclasses.asdict(opts), "seed": seed,
+            "run_index": run_index, "world_size": 1}).encode())
+    dev = resolve_device(device)
+    try:
+        teacher = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, local_files_only=True,
+                                                       use_safetensors=True, trust_remote_code=False).to(dev).eval()
+    except OSError as exc:
+        raise MoeifyError(f"tuning cannot load {src} ({exc.__class__.__name__})",
+                          "tuning needs the source's safetensors weights") from None
+    seq = int(bo.report.get("calibration", {}).get("seq_len") or min(cfg.calib_seq_len, teacher.config.max_position_embeddings))
+    train, held, text = tuning_data(root, src, bo, opts, seq, seed, teacher, progress)
+    reader = CheckpointReader(base)
+    student, own_attention = build_student(teacher, bo, reader, dev)
+    settings = DistillSettings(tokens=opts.tokens, lr=opts.lr, train_router=opts.train_router,
+                               train_attention=opts.train_attention, seed=seed)
+    share_frozen(teacher, student, opts.train_attention,
+                 torch.bfloat16 if _autocast(dev, settings.autocast)[1] else None, own_attention=own_attention)
+    release_memory()  # the student's copies of what it now shares
+    state = TuningState(root, save_every)
+    saved = state.load()
+    with _stop_on_signal(state, notify):
+        info = distill(teacher, student, train, held, settings, progress=progress, state=state, resume=saved)
+    info = {"scope": "model", "lr": opts.lr, "seed": seed, "text": text, "resumed": saved is not None,
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), **info}
+    del teacher
+    release_memory()
+    report, toml = _updated_report(bo, info, opts.train_router, opts.train_attention)
+    tmp = prepare_output(out, overwrite=True, src=src)
+    try:
+        write_tuned(bo, reader, student, tmp, opts.train_attention, report, toml)
+        reader.close()
+        _check_written(tmp, reader)
+        commit_output(tmp, out)
+    except BaseException:
+        reader.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(root, ignore_errors=True)
+    return report
+
+
+def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, resume: bool = False,
+                 device: str = "auto", steps: int = 4, sample_windows: int = 8) -> dict:
+    """`tune --dry-run`: build the teacher and student as the run would, time `steps` tuning steps on the real text
+    (the first is a warm-up) and the sampling of `sample_windows` windows, and measure the peak memory. Writes
+    nothing. Returns the measured rates and the estimated time of the whole run."""
+    import resource
+
+    from transformers import AutoModelForCausalLM
+
+    from .distill import DistillSettings, _autocast, distill, sample_text, share_frozen
+
+    src, out = Path(src), Path(out)
+    root = state_dir(out)
+    if resume:
+        if not (root / "run.json").is_file():
+            raise MoeifyError(f"there is no interrupted tuning of {out} to resume (no {root.name}/run.json)")
+        run_info = json.loads((root / "run.json").read_text())
+        opts = TuneOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in run_info["options"].items()})
+    if opts is None:
+        raise MoeifyError("--tokens is required", "e.g. --tokens 262144")
+    opts.validate()
+    base = root / "carved" if (root / "carved").is_dir() else out
+    if not base.exists():
+        raise MoeifyError(f"output {out} not found", "pass the directory `moeify convert` wrote")
+    bo = read_output(base)
+    dev = resolve_device(device)
+    teacher = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, local_files_only=True,
+                                                   use_safetensors=True, trust_remote_code=False).to(dev).eval()
+    seq = int(bo.report.get("calibration", {}).get("seq_len") or teacher.config.max_position_embeddings)
+    real, held, _ = real_windows(src, _text_sources(bo, opts), seq)
+    n_prompt = min(16, seq // 4)
+    t0 = time.time()
+    sample_text(teacher, real[:sample_windows, :n_prompt], seq - n_prompt, 0, batch=sample_windows)
+    sampling_rate = (time.time() - t0) / (sample_windows * (seq - n_prompt)) * 1024
+    reader = CheckpointReader(base)
+    student, own_attention = build_student(teacher, bo, reader, dev)
+    reader.close()
+    settings = DistillSettings(tokens=steps * 1024, lr=opts.lr, train_router=opts.train_router,
+                               train_attention=opts.train_attention, evals=1)
+    share_frozen(teacher, student, opts.train_attention,
+                 torch.bfloat16 if _autocast(dev, settings.autocast)[1] else None, own_attention=own_attention)
+    release_memory()
+    stamps = []
+    distill(teacher, student, real, held[:1] if len(held) else real[-1:], settings,
+            progress=lambda *a: stamps.append(time.time()))
+    step_s = (stamps[-2] - stamps[0]) / max(1, len(stamps) - 2)  # steps 2..n-1: no warm-up, no held-out check
+    per_step = max(1, settings.batch_tokens // seq) * seq
+    n_steps = -(-opts.tokens // per_step)
+    sampled = round(opts.generated * opts.tokens / seq) * seq
+    if dev.startswith("cuda"):
+        peak, what = torch.cuda.max_memory_allocated(), "torch.cuda.max_memory_allocated"
+    else:
+        peak, what = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "peak RSS of this process"
+    return {"tokens": opts.tokens, "device": dev, "step_tokens": per_step, "step_seconds": step_s,
+            "tokens_per_second": per_step / step_s, "steps": n_steps, "sampled_tokens": sampled,
+            "sampling_seconds_per_1k": sampling_rate, "sampling_seconds": sampled / 1024 * sampling_rate,
+            "tuning_seconds": n_steps * step_s,
+            "estimated_seconds": n_steps * step_s + sampled / 1024 * sampling_rate,
+            "peak_bytes": peak, "peak_what": what + f"; sampling at batch {SAMPLE_BATCH} adds its KV cache"}
+
+
+def refuse_leftover_state(out: Path, src: Path, overwrite: bool) -> None:
+    """convert: an interrupted tuning of OUT is resumed with `moeify tune --resume`, or discarded with --overwrite."""
+    root = state_dir(out)
+    if root.exists():
+        if not overwrite and (root / "run.json").is_file():
+            raise MoeifyError(f"{root} holds an interrupted tuning of this output ({describe_state(root)})",
+                              f"continue it with: {resume_command(src, out)}; or pass --overwrite to start again")
+        shutil.rmtree(root)
+
+
+__all__ = ["TuneOptions", "TuningInterrupted", "tune_output", "estimate_run", "state_dir", "options_from_config", "read_output",
+           "resume_command", "refuse_leftover_state"]

@@ -22,7 +22,7 @@ Against the source (`--against SRC`):
   The reference's routed down_proj columns get the one rounding the converter cannot avoid (× k stored in the output
   dtype, exact for a power-of-two k; the bitwise check covers it), so this compares routing and structure, and is
   ~1e-6 when all is well.
-Layers whose down_proj was refit (`--compensate`) or whose expert weights were tuned (`--tune-epochs`, report.json
+Layers whose down_proj was refit (`--compensate`) or whose expert weights were tuned (`--fit-epochs`, report.json
 `tuned`) are not the dense FFN by design: those tensors and the logits comparison are skipped and say so; the
 structure, the untouched tensors and the permutation are still checked. Likewise a layer whose attention and norms
 were tuned (`--tune-attention`, report.json `attention_tuned`).
@@ -400,7 +400,7 @@ def _check_moe_layer(layout: MoeLayout, reader: CheckpointReader, i: int, entry:
     tuned = set(entry.get("tuned", ()))
     if tuned:
         names = ', '.join(t if t == "router" else f'{t}_proj' for t in sorted(tuned))
-        skipped.append(f"layer {i}: {names} tuned (--tune-epochs / --tune-tokens), "
+        skipped.append(f"layer {i}: {names} tuned (--fit-epochs / --tune-tokens), "
                        "not compared with the source")
     for kind, col in (("gate", 0), ("up", 1)):
         if kind in tuned:
@@ -513,7 +513,7 @@ def verify_checkpoint(out: str | Path, against: str | Path | None = None, *, val
         return result
     report = read_report(out) or {}
     if any(entry.get("compensated") or entry.get("tuned") for entry in report.get("layers", [])):
-        result.skipped.append("logits: FFN weights were refit (--compensate) or tuned (--tune-epochs / --tune-tokens), so the MoE model "
+        result.skipped.append("logits: FFN weights were refit (--compensate) or tuned (--fit-epochs / --tune-tokens), so the MoE model "
                               "is not the dense one by design; not compared")
         return result
     diff, scale = compare_logits(out, against, layout, report, seq_len=seq_len)

@@ -158,7 +158,7 @@ def row_settings(row: str) -> dict:
     out = dict(head)
     for e in extras:
         if e.startswith("tune"):
-            out["tune_epochs"] = int(e[4:])
+            out["fit_epochs"] = int(e[4:])
         elif e.startswith("distill"):
             out["tune_tokens"] = int(e[7:].rstrip("k")) * (1024 if e.endswith("k") else 1)
         elif e.startswith("gen"):
@@ -204,7 +204,7 @@ def install_sweep(sweep: list[dict], evals: dict, seq_len: int, results: list) -
 
     original = distill_mod.distill
 
-    def swept(teacher, student, train, held_out, settings, progress=None):
+    def swept(teacher, student, train, held_out, settings, progress=None, state=None, resume=None):
         # what tuning may train: every decoder layer's tensors (experts, routers, and attention and norms under
         # --tune-attention), restored before each run
         start = {k: v.detach().clone() for k, v in student.state_dict().items() if ".layers." in k}
@@ -212,7 +212,7 @@ def install_sweep(sweep: list[dict], evals: dict, seq_len: int, results: list) -
         for over in sweep:
             student.load_state_dict(start, strict=False)
             run = dataclasses.replace(settings, **over)
-            info = original(teacher, student, train, held_out, run, progress)
+            info = original(teacher, student, train, held_out, run, progress)  # no saved state: runs from scratch
             ppl = {n: perplexity(student, ids, seq_len) for n, ids in evals.items()}
             results.append({"settings": over, "ppl": ppl, "tuning": info})
             print(f"  sweep {over}: " + ", ".join(f"{n} {p:.3f}" for n, p in ppl.items())
@@ -236,7 +236,7 @@ def run_row(model_dir: Path, row: str, config: str, calib: Path, calib_tokens: i
         settings["tune_tokens"] = tune_tokens
     needs_calib = bool(preset) or (settings.get("method") in ("activation", "coactivation")
                                    or settings.get("router") == "fitted" or settings.get("compensate")
-                                   or settings.get("tune_epochs") or settings.get("tune_tokens"))
+                                   or settings.get("fit_epochs") or settings.get("tune_tokens"))
     cfg = build_config(preset, **shape, **settings, calib=[str(calib)] if needs_calib else None,
                        calib_tokens=(calib_tokens or None) if needs_calib else None)
     out = work / re.sub(r"[^A-Za-z0-9.+-]", "_", f"{config}-{row}")
@@ -275,7 +275,7 @@ def run_row(model_dir: Path, row: str, config: str, calib: Path, calib_tokens: i
     return {"config": config, "row": row, "active": active_fraction(shape | {"experts": cfg.experts, "top_k": cfg.top_k,
                                                                              "shared": cfg.shared}),
             "ppl": ppl, "seconds": round(seconds, 2), "calib_tokens": report["calibration"].get("tokens"),
-            "tuning": {k: v for k, v in report["calibration"].get("tuning", {}).items() if k != "text"} or None,
+            "tuning": {k: v for k, v in (report.get("tuning", {}).get("runs") or [{}])[-1].items() if k != "text"} or None,
             "settings": report["settings"], "curve": curve, "sweep": swept,
             "agreement": sum(agreement) / len(agreement) if agreement and not oracle else None,
             "layer_rel_error": errors}

@@ -13,7 +13,7 @@ from moeify.config import build_config
 from moeify.convert import plan_conversion, run_conversion
 from moeify.errors import MoeifyError
 from moeify.partition import Partition
-from moeify.tune import TuneSettings, masked_ffn, tune_layer
+from moeify.layerfit import FitSettings, masked_ffn, fit_layer
 from moeify.verify import verify_checkpoint
 from test_calibrate import CALIB
 
@@ -32,8 +32,8 @@ def _problem(n=1200, d=16, d_ff=48, seed=0):
 
 def test_tuning_lowers_the_held_out_error_and_is_deterministic():
     x, target, mask, gate, up, down = _problem()
-    settings = TuneSettings(epochs=6, lr=0.02, batch_tokens=128, seed=3)
-    new, info = tune_layer(x, target, mask, gate, up, down, settings)
+    settings = FitSettings(epochs=6, lr=0.02, batch_tokens=128, seed=3)
+    new, info = fit_layer(x, target, mask, gate, up, down, settings)
     assert set(new) == {"gate", "up", "down"}
     assert info["holdout_rel_error_before"] > 0.3  # half the neurons dropped
     assert info["holdout_rel_error_after"] < 0.9 * info["holdout_rel_error_before"]
@@ -42,14 +42,14 @@ def test_tuning_lowers_the_held_out_error_and_is_deterministic():
     hold = slice(1080, 1200)
     err = (masked_ffn(x[hold], new["gate"], new["up"], new["down"], mask[hold].float()) - target[hold]).square().sum()
     assert err.item() / target[hold].square().sum().item() == pytest.approx(info["holdout_rel_error_after"], rel=1e-4)
-    again, _ = tune_layer(x, target, mask, gate, up, down, settings)
+    again, _ = fit_layer(x, target, mask, gate, up, down, settings)
     assert all(torch.equal(new[k], again[k]) for k in new)  # same seed, same weights
 
 
 def test_tuning_never_returns_worse_weights_and_trains_only_what_it_is_asked():
     x, target, mask, gate, up, down = _problem(seed=1)
     # a step size far too large: every epoch is worse on held-back tokens, so the carved weights come back
-    new, info = tune_layer(x, target, mask, gate, up, down, TuneSettings(epochs=2, lr=0.9, batch_tokens=64),
+    new, info = fit_layer(x, target, mask, gate, up, down, FitSettings(epochs=2, lr=0.9, batch_tokens=64),
                            tensors=("down",))
     assert set(new) == {"down"}
     assert info["holdout_rel_error_after"] <= info["holdout_rel_error_before"]
@@ -58,12 +58,12 @@ def test_tuning_never_returns_worse_weights_and_trains_only_what_it_is_asked():
 
 
 def test_tune_flags_are_checked():
-    with pytest.raises(MoeifyError, match="--tune-epochs needs calibration data"):
-        build_config(tune_epochs=2)
-    with pytest.raises(MoeifyError, match="--tune-lr must be in"):
-        build_config(tune_epochs=1, tune_lr=2.0, **CALIB)
-    with pytest.raises(MoeifyError, match="--tune-epochs must be ≥ 0"):
-        build_config(tune_epochs=-1, **CALIB)
+    with pytest.raises(MoeifyError, match="--fit-epochs needs calibration data"):
+        build_config(fit_epochs=2)
+    with pytest.raises(MoeifyError, match="--fit-lr must be in"):
+        build_config(fit_epochs=1, fit_lr=2.0, **CALIB)
+    with pytest.raises(MoeifyError, match="--fit-epochs must be ≥ 0"):
+        build_config(fit_epochs=-1, **CALIB)
     with pytest.raises(MoeifyError, match="--calib-feed 'sideways' is not one of"):
         build_config(calib_feed="sideways", **CALIB)
 
@@ -74,34 +74,34 @@ def calib_model(tmp_path, tokenizer_dir):
 
 
 def test_tuned_conversion_reports_and_verifies(tmp_path, calib_model):
-    cfg = build_config(experts=4, top_k=2, calib_feed="corrected", tune_epochs=2, **CALIB)
+    cfg = build_config(experts=4, top_k=2, calib_feed="corrected", fit_epochs=2, **CALIB)
     report = run_conversion(plan_conversion(calib_model, cfg), tmp_path / "moe")
     for lay in report["layers"]:
         assert lay["tuned"] == ["gate", "up", "down"] and lay["compensated"]
         assert lay["tune_rel_error_after"] <= lay["tune_rel_error_before"]
     assert report["calibration"]["feed"] == "corrected"
-    assert json.loads((tmp_path / "moe" / "report.json").read_text())["settings"]["tune_epochs"] == 2
-    assert "tune_epochs = 2" in (tmp_path / "moe" / "moeify.toml").read_text()
+    assert json.loads((tmp_path / "moe" / "report.json").read_text())["settings"]["fit_epochs"] == 2
+    assert "fit_epochs = 2" in (tmp_path / "moe" / "moeify.toml").read_text()
     result = verify_checkpoint(tmp_path / "moe", against=calib_model)
     assert result.problems == []
-    assert any("tuned (--tune-epochs / --tune-tokens), not compared" in s for s in result.skipped)
+    assert any("tuned (--fit-epochs / --tune-tokens), not compared" in s for s in result.skipped)
     assert any(s.startswith("logits:") and "tuned" in s for s in result.skipped)
 
 
 def test_corrected_feed_keeps_exactness_with_every_expert_active(tmp_path, calib_model):
     """With k = N the carved model is the dense one, so the corrected target is the dense FFN output, nothing is refit
     or tuned, and the logits are the dense logits."""
-    cfg = build_config(experts=4, top_k=4, calib_feed="corrected", tune_epochs=2, tune_tokens=1024, **CALIB)
+    cfg = build_config(experts=4, top_k=4, calib_feed="corrected", fit_epochs=2, tune_tokens=1024, **CALIB)
     report = run_conversion(plan_conversion(calib_model, cfg), tmp_path / "moe")
     assert not any(lay["tuned"] or lay["compensated"] for lay in report["layers"])
-    assert "tuning" not in report["calibration"]  # recovery tuning is skipped: nothing to recover
+    assert "tuning" not in report and "tuning" not in report["calibration"]  # nothing to recover: no tuning
     assert max_logit_diff(calib_model, tmp_path / "moe") <= 1e-5
 
 
 def test_whole_model_tuning_reports_kl_and_keeps_the_format(tmp_path, calib_model):
     cfg = build_config(experts=4, top_k=2, tune_tokens=2048, tune_generated=0.25, **CALIB)
     report = run_conversion(plan_conversion(calib_model, cfg), tmp_path / "moe")
-    tuning = report["calibration"]["tuning"]
+    tuning = report["tuning"]["runs"][-1]
     seq = report["calibration"]["seq_len"]
     assert tuning["scope"] == "model" and tuning["tokens"] >= 2048 and tuning["steps"] == -(-2048 // (1024 // seq * seq))
     assert tuning["holdout_kl_after"] <= tuning["holdout_kl_before"]
@@ -124,8 +124,8 @@ def test_tuned_attention_is_what_the_checkpoint_computes(tmp_path, calib_model, 
     seen = {}
     real = distill_mod.distill
 
-    def spy(teacher, student, train, held_out, settings, progress=None):
-        info = real(teacher, student, train, held_out, settings, progress)
+    def spy(teacher, student, train, held_out, settings, progress=None, **kw):
+        info = real(teacher, student, train, held_out, settings, progress, **kw)
         with torch.no_grad():
             seen["logits"] = student(ids).logits.float()
         return info
@@ -133,7 +133,7 @@ def test_tuned_attention_is_what_the_checkpoint_computes(tmp_path, calib_model, 
     monkeypatch.setattr(distill_mod, "distill", spy)
     cfg = build_config(experts=4, top_k=2, tune_tokens=4096, tune_generated=0.25, tune_attention=True, **CALIB)
     report = run_conversion(plan_conversion(calib_model, cfg), tmp_path / "moe")
-    tuning = report["calibration"]["tuning"]
+    tuning = report["tuning"]["runs"][-1]
     assert tuning["attention_trained"] and tuning["step_kept"] > 0, tuning
     assert all(lay["attention_tuned"] for lay in report["layers"])
     moe, info = load(tmp_path / "moe")
