@@ -1,0 +1,226 @@
+"""`moeify tune`: the recovery tuning stage on its own (resume, extension, refusal of stale state) and through convert."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import build_dense, load
+from moeify.config import build_config
+from moeify.convert import plan_conversion, run_conversion
+from moeify.errors import MoeifyError
+from moeify.tune import TuneOptions, TuningInterrupted, state_dir, tune_output
+from moeify.verify import verify_checkpoint
+from test_calibrate import CALIB
+
+# a short schedule: windows of 64 tokens, 16 windows a step
+CARVE = dict(experts=4, top_k=2, **CALIB)
+
+
+@pytest.fixture(scope="module")
+def carved(tmp_path_factory, tokenizer_dir):
+    """A tiny dense model and its untuned carve (module-wide: each test copies the carve)."""
+    root = tmp_path_factory.mktemp("stage")
+    dense = build_dense(root / "dense", tokenizer_dir, num_hidden_layers=3, initializer_range=0.3)  # FFNs matter
+    run_conversion(plan_conversion(dense, build_config(**CARVE)), root / "carve")
+    return dense, root / "carve"
+
+
+def _copy(carve: Path, to: Path) -> Path:
+    shutil.copytree(carve, to)
+    return to
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _assert_identical(a: Path, b: Path) -> None:
+    ta, tb = _tensors(a), _tensors(b)
+    assert ta.keys() == tb.keys()
+    different = [n for n in ta if not torch.equal(ta[n], tb[n])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+
+
+def _interrupt_at(step_tokens: int):
+    """A progress callback that sends this process SIGINT once tuning has passed `step_tokens` tokens (the stage's
+    handler asks the run to save and stop at the end of the step)."""
+    sent = []
+
+    def progress(stage, done, total, note=""):
+        if stage == "tuning" and done >= step_tokens and not sent:
+            sent.append(done)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    return progress
+
+
+OPTS = TuneOptions(tokens=12 * 1024, generated=0.25, lr=0.02)  # a large step: a short run that visibly learns
+
+
+def test_tuning_lowers_held_out_kl_and_the_output_computes_what_the_student_computed(carved, tmp_path, monkeypatch):
+    import moeify.distill as distill_mod
+
+    dense, carve = carved
+    out = _copy(carve, tmp_path / "moe")
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
+    seen, real = {}, distill_mod.distill
+
+    def spy(*args, **kw):
+        info = real(*args, **kw)
+        with torch.no_grad():
+            seen["logits"] = args[1](ids).logits.float()
+        return info
+
+    monkeypatch.setattr(distill_mod, "distill", spy)
+    report = tune_output(dense, out, OPTS)
+    run = report["tuning"]["runs"][0]
+    assert run["holdout_kl_after"] < 0.95 * run["holdout_kl_before"], run  # not only kept-best's "<="
+    assert run["tokens"] == 12 * 1024 and run["steps"] == 12 and not run["resumed"]
+    assert not state_dir(out).exists()  # removed once the output is committed
+    moe, info = load(out)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    with torch.no_grad():
+        got = moe(ids).logits.float()
+    scale = seen["logits"].abs().max().item()
+    assert (got - seen["logits"]).abs().max().item() <= 1e-4 * scale  # float32 output: only the export's rounding
+    assert verify_checkpoint(out, against=dense).problems == []
+    assert all(e["tuned"] == ["gate", "up", "down", "router"] for e in report["layers"])
+
+
+def test_interrupted_run_resumes_to_the_uninterrupted_weights(carved, tmp_path):
+    """SIGINT mid-run saves the state and stops; --resume ends with bit-identical weights and the same curve."""
+    dense, carve = carved
+    a, b = _copy(carve, tmp_path / "a"), _copy(carve, tmp_path / "b")
+    whole = tune_output(dense, a, OPTS)
+    with pytest.raises(TuningInterrupted) as stop:
+        tune_output(dense, b, OPTS, progress=_interrupt_at(5 * 1024))
+    assert stop.value.step == 5 and stop.value.total == 12
+    assert json.loads((state_dir(b) / "state.json").read_text())["meta"]["step"] == 5
+    _assert_identical(b, carve)  # OUT untouched while the run is interrupted
+    resumed = tune_output(dense, b, None, resume=True)
+    _assert_identical(a, b)
+    ra, rb = whole["tuning"]["runs"][0], resumed["tuning"]["runs"][0]
+    assert rb["resumed"] and ra["holdout_curve"] == rb["holdout_curve"] and ra["train_kl_end"] == rb["train_kl_end"]
+
+
+def test_kill_9_at_a_random_step_then_resume_gives_the_same_weights(carved, tmp_path):
+    """The real thing: `moeify tune` in another process, killed with SIGKILL while it saves after every step, then
+    `--resume` in a third process; the result equals an uninterrupted run in a process of its own."""
+    dense, carve = carved
+    a, b = _copy(carve, tmp_path / "a"), _copy(carve, tmp_path / "b")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-c", "from moeify.cli import main; main()", "tune", str(dense)]
+    flags = ["--tokens", str(16 * 1024), "--tune-generated", "0.25", "--lr", "0.02", "--save-every", "0"]
+    subprocess.run(cmd + [str(a)] + flags, env=env, check=True, capture_output=True)
+    proc = subprocess.Popen(cmd + [str(b)] + flags, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    state, kill_after = state_dir(b) / "state.json", 2 + int(time.time() * 1000) % 12  # some step in 2..13 of 16
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if json.loads(state.read_text())["meta"]["step"] >= kill_after:
+                break
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.002)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    proc.kill()
+    proc.wait()
+    assert json.loads(state.read_text())["meta"]["step"] < 16
+    done = subprocess.run(cmd + [str(b), "--resume"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    _assert_identical(a, b)
+    assert not state_dir(b).exists()
+
+
+def test_a_tuned_output_tunes_further_and_keeps_its_history(carved, tmp_path):
+    dense, carve = carved
+    out = _copy(carve, tmp_path / "moe")
+    first = tune_output(dense, out, OPTS)
+    first_weights = _tensors(out)
+    second = tune_output(dense, out, TuneOptions(tokens=6 * 1024, generated=0.25, lr=0.02))
+    runs = second["tuning"]["runs"]
+    assert [r["tokens"] for r in runs] == [12 * 1024, 6 * 1024] and second["tuning"]["tokens"] == 18 * 1024
+    assert runs[0] == first["tuning"]["runs"][0]
+    assert runs[1]["seed"] != runs[0]["seed"]  # new sampled text and a new window order
+    # the second run starts from the first one's weights: its starting held-out KL is the tuned model's, below the
+    # carve's (the held-out windows of the real texts are the same; the two sampled ones are new)
+    assert runs[1]["holdout_kl_before"] < runs[0]["holdout_kl_before"] - 0.5 * (
+        runs[0]["holdout_kl_before"] - runs[0]["holdout_kl_after"])
+    assert runs[1]["holdout_kl_after"] <= runs[1]["holdout_kl_before"]
+    toml = (out / "moeify.toml").read_text()
+    assert "[tuning]\ntokens = 18432\nruns = 2" in toml
+    assert any(not torch.equal(first_weights[n], t) for n, t in _tensors(out).items())
+    assert verify_checkpoint(out, against=dense).problems == []
+
+
+def test_stale_or_foreign_state_is_refused(carved, tmp_path, tokenizer_dir):
+    dense, carve = carved
+    out = _copy(carve, tmp_path / "moe")
+    with pytest.raises(TuningInterrupted):
+        tune_output(dense, out, OPTS, progress=_interrupt_at(2 * 1024))
+    with pytest.raises(MoeifyError, match=r"has an interrupted tuning .*--resume"):
+        tune_output(dense, out, OPTS)
+    with pytest.raises(MoeifyError, match=r"started with tokens = 12288, not 4096"):
+        tune_output(dense, out, None, resume=True, given={"tokens": 4096})
+    other = build_dense(tmp_path / "other", tokenizer_dir, num_hidden_layers=3, initializer_range=0.3, seed=7)
+    with pytest.raises(MoeifyError, match="tuning state of another source"):
+        tune_output(other, out, None, resume=True)
+    report = tune_output(dense, out, TuneOptions(tokens=2048, generated=0.25), restart=True)
+    assert report["tuning"]["runs"][0]["tokens"] == 2048 and not state_dir(out).exists()
+    with pytest.raises(MoeifyError, match="no interrupted tuning"):
+        tune_output(dense, out, None, resume=True)
+
+
+def test_convert_interrupted_while_tuning_resumes_at_tuning(carved, tmp_path):
+    dense, _ = carved
+    cfg = build_config(**CARVE, tune_tokens=8 * 1024, tune_generated=0.25)
+    run_conversion(plan_conversion(dense, cfg), tmp_path / "whole")
+    with pytest.raises(TuningInterrupted):
+        run_conversion(plan_conversion(dense, cfg), tmp_path / "moe", progress=_interrupt_at(3 * 1024))
+    assert not (tmp_path / "moe").exists()  # no output that looks complete
+    assert (state_dir(tmp_path / "moe") / "carved" / "report.json").is_file()
+    with pytest.raises(MoeifyError, match=r"interrupted tuning of this output .*moeify tune .* --resume"):
+        run_conversion(plan_conversion(dense, cfg), tmp_path / "moe")
+    report = tune_output(dense, tmp_path / "moe", None, resume=True)
+    assert report["tuning"]["runs"][0]["resumed"]
+    _assert_identical(tmp_path / "whole", tmp_path / "moe")
+    assert not state_dir(tmp_path / "moe").exists()
+    assert verify_checkpoint(tmp_path / "moe", against=dense).problems == []
+
+
+def test_tune_command_line(carved, tmp_path):
+    from typer.testing import CliRunner
+
+    from moeify.cli import app
+
+    dense, carve = carved
+    out = _copy(carve, tmp_path / "moe")
+    runner = CliRunner()
+    res = runner.invoke(app, ["tune", str(dense), str(out)])
+    assert res.exit_code == 2 and "--tokens is required" in res.output
+    res = runner.invoke(app, ["tune", str(dense), str(dense), "--tokens", "1024"])
+    assert res.exit_code == 2 and "is not a moeify output (no moeify.toml)" in res.output
+    res = runner.invoke(app, ["tune", str(dense), str(out), "--tokens", "4096", "--dry-run", "--json", "-"])
+    assert res.exit_code == 0, res.output
+    est = json.loads(res.stdout[res.stdout.index("{"):])
+    assert est["steps"] == 4 and est["step_seconds"] > 0 and est["peak_bytes"] > 50e6
+    assert est["estimated_seconds"] == pytest.approx(est["tuning_seconds"] + est["sampling_seconds"])
+    assert not state_dir(out).exists()
+    _assert_identical(out, carve)  # --dry-run writes nothing
+    res = runner.invoke(app, ["tune", str(dense), str(out), "--tokens", "2048", "--tune-generated", "0.25"])
+    assert res.exit_code == 0, res.output
+    assert "tuned on 2,048 tokens" in res.output
