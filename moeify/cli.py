@@ -11,7 +11,8 @@ from typing import Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.text import Text
 
 from .errors import MoeifyError
 
@@ -36,14 +37,27 @@ def _stage_callback(bar: Progress):
     def on_progress(stage: str, done: int, total: int, note: str = "") -> None:
         if stage not in tasks:
             tasks[stage] = bar.add_task(stage, total=total)
-        bar.update(tasks[stage], completed=done, description=f"{stage} ({note})" if note else stage)
+        bar.update(tasks[stage], completed=done, description=f"{stage}: {note}" if note else stage)
 
     return on_progress
 
 
+class _CountColumn(ProgressColumn):
+    """done/total, in k / M past ten thousand (token counts), so a bar fits an 80-column terminal."""
+
+    @staticmethod
+    def _short(n: float) -> str:
+        if n >= 1e6:
+            return f"{n / 1e6:.2f}M"
+        return f"{n / 1e3:.0f}k" if n >= 1e4 else f"{int(n)}"
+
+    def render(self, task) -> Text:
+        return Text(f"{self._short(task.completed)}/{self._short(task.total or 0)}", style="progress.download")
+
+
 def _progress() -> Progress:
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TimeRemainingColumn(), console=console, transient=False)
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(bar_width=12), _CountColumn(),
+                    TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=False)
 
 
 JSON_HELP = "Write them as JSON to this file, or to stdout with '-' (the tables then go to stderr)."

@@ -388,7 +388,7 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
         if progress:
             rate = (step - done_rate) * per_step * seq / max(1e-9, time.time() - t_rate)
             progress("tuning", step * per_step * seq, total * per_step * seq,
-                     f"{rate:,.0f} tok/s, train KL {ema:.3f}, held-out {curve[-1][1]:.3f}")
+                     f"{rate:,.0f} tok/s, KL train {ema:.3f} held {curve[-1][1]:.3f}")
         if _STEP_HOOK is not None:  # its time is not tuning time
             h0, hc0 = time.time(), time.process_time()
             _STEP_HOOK(student, step, step * per_step * seq)

@@ -117,6 +117,31 @@ def test_interrupted_run_resumes_to_the_uninterrupted_weights(carved, tmp_path):
     assert rb["resumed"] and ra["holdout_curve"] == rb["holdout_curve"] and ra["train_kl_end"] == rb["train_kl_end"]
 
 
+def test_interrupted_sampling_resumes_at_its_next_batch(carved, tmp_path, monkeypatch):
+    """Ctrl-C while the dense model samples the tuning text: the batches done are kept, --resume samples the rest
+    under the same seeds, and the run ends as an uninterrupted one."""
+    import moeify.tune as tune_mod
+
+    monkeypatch.setattr(tune_mod, "SAMPLE_BATCH", 8)
+    dense, carve = carved
+    a, b = _copy(carve, tmp_path / "a"), _copy(carve, tmp_path / "b")
+    opts = TuneOptions(tokens=4 * 1024, generated=0.5, lr=0.02)  # 32 + 3 sampled windows of 64: 5 batches
+    tune_output(dense, a, opts)
+
+    def stop_sampling(stage, done, total, note=""):
+        if stage == "sampling tuning text" and done >= 2 * 8 * 64:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        tune_output(dense, b, opts, progress=stop_sampling)
+    assert sorted(f.name for f in (state_dir(b) / "sampled").iterdir()) == ["batch-00000.safetensors",
+                                                                           "batch-00001.safetensors"]
+    seen = []
+    tune_output(dense, b, None, resume=True, progress=lambda stage, done, total, note="": seen.append((stage, done)))
+    assert seen[0] == ("sampling tuning text", 8 * 64)  # batch 0 read back, not sampled again
+    _assert_identical(a, b)
+
+
 def test_kill_9_at_a_random_step_then_resume_gives_the_same_weights(carved, tmp_path):
     """The real thing: `moeify tune` in another process, killed with SIGKILL while it saves after every step, then
     `--resume` in a third process; the result equals an uninterrupted run in a process of its own."""
