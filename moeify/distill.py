@@ -193,13 +193,16 @@ class WindowStream:
         self.order, self.pos = torch.randperm(self.windows.shape[0], generator=self.gen), 0
 
     def take(self, n: int) -> torch.Tensor:
+        return self.windows[self.take_indices(n)]
+
+    def take_indices(self, n: int) -> torch.Tensor:
         out = []
         while n:
             if self.pos == len(self.order):
                 self._shuffle()
                 self.passes += 1
             m = min(n, len(self.order) - self.pos)
-            out.append(self.windows[self.order[self.pos:self.pos + m]])
+            out.append(self.order[self.pos:self.pos + m])
             self.pos, n = self.pos + m, n - m
         return torch.cat(out)
 
@@ -214,16 +217,24 @@ class WindowStream:
         self.order, self.pos, self.passes = tensors["stream.order"].clone(), int(meta["pos"]), int(meta["passes"])
 
 
-def accumulate_kl(teacher, student, batch: torch.Tensor, head: torch.Tensor, ctx, settings: DistillSettings) -> torch.Tensor:
+def accumulate_kl(teacher, student, batch: torch.Tensor, head: torch.Tensor, ctx, settings: DistillSettings,
+                  targets: list | None = None) -> torch.Tensor:
     """One step's gradients: the teacher's forward, the student's forward and backward and the chunked KL, one
     micro-batch of windows at a time (activations of one micro-batch held), gradients accumulated into .grad.
-    Returns the step's mean KL as a 0-dim tensor (read with .item() only when it is shown or saved)."""
+    targets: per window, the teacher's final hidden states kept from sampling (None where there are none): a
+    micro-batch whose windows all have them skips the teacher's forward. Returns the step's mean KL as a 0-dim
+    tensor (read with .item() only when it is shown or saved)."""
     device, step_kl = next(student.parameters()).device, None
-    for micro in batch.split(max(1, settings.micro_windows)):
+    size = max(1, settings.micro_windows)
+    for m, micro in enumerate(batch.split(size)):
         micro = micro.to(device)
+        kept = None if targets is None else targets[m * size:(m + 1) * size]
         with ctx:
-            with torch.no_grad():
-                target = final_hidden(teacher, micro)
+            if kept is not None and all(t is not None for t in kept):
+                target = torch.stack(kept).to(device, torch.float32)
+            else:
+                with torch.no_grad():
+                    target = final_hidden(teacher, micro)
             loss = chunked_kl(final_hidden(student, micro), target, head, settings.kl_chunk) * (
                 micro.shape[0] / batch.shape[0])
         loss.backward()
@@ -263,7 +274,7 @@ class _TempKeeper:
 
 
 def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, settings: DistillSettings,
-            progress=None, state=None, resume: tuple[dict, dict] | None = None) -> dict:
+            progress=None, state=None, resume: tuple[dict, dict] | None = None, targets=None) -> dict:
     """Train the student's MaskedMoE weights (and routers) towards the teacher's next-token distributions.
 
     train: (n_windows, seq_len) token windows to draw the budget from; held_out: (m, seq_len) windows never trained
@@ -274,7 +285,8 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
     kept(), checkpoint(step, total, snapshot), which saves snapshot() when due and raises KeyboardInterrupt after
     saving when a stop was requested); None: a temporary file, nothing saved. resume: (tensors, meta) of a saved
     snapshot: the run continues from it and ends with the weights an uninterrupted run would have (same machine and
-    thread count)."""
+    thread count). targets: targets(i) -> the teacher's final hidden states of training window i, (seq, d), kept
+    from sampling it, or None (the teacher runs on that window)."""
     if settings.router_grad not in ("topk", "dense"):
         raise ValueError(f"router_grad {settings.router_grad!r}: use 'topk' or 'dense'")
     device = next(student.parameters()).device
@@ -376,7 +388,9 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
         for g, lr in zip(opt.param_groups, base_lrs):
             g["lr"] = lr * lr_at(step - 1)
         opt.zero_grad(set_to_none=True)
-        step_kl = accumulate_kl(teacher, student, stream.take(per_step), head, ctx, settings).item()
+        idx = stream.take_indices(per_step)
+        step_kl = accumulate_kl(teacher, student, train[idx], head, ctx, settings,
+                                None if targets is None else [targets(int(i)) for i in idx]).item()
         opt.step()
         ema = step_kl if ema is None else 0.95 * ema + 0.05 * step_kl
         if step in checks:
@@ -459,18 +473,32 @@ def attention_params(model) -> list[torch.nn.Parameter]:
 
 @torch.no_grad()
 def sample_text(model, prompts: torch.Tensor, new_tokens: int, seed: int, batch: int = 64,
-                progress=None) -> torch.Tensor:
+                progress=None, keep_hidden: bool = False):
     """The dense model's own continuations (temperature 1, no truncation) of short prompts: (n, p + new_tokens)
-    token windows of what the model itself predicts, for label-free distillation (LLM-QAT's data-free KL)."""
+    token windows of what the model itself predicts, for label-free distillation (LLM-QAT's data-free KL).
+
+    keep_hidden: also return the model's final hidden states at every position of those windows, (n, p +
+    new_tokens, d) float16, taken from the sampling's own forward passes (one more token is generated so that the
+    window's last position has one): the teacher's targets for these windows, so tuning need not run the teacher
+    on them again. Batch b is sampled under seed + b."""
     device = next(model.parameters()).device
-    torch.manual_seed(seed)
-    outs = []
-    for s in range(0, prompts.shape[0], batch):
-        p = prompts[s:s + batch].to(device)
-        out = model.generate(input_ids=p, attention_mask=torch.ones_like(p), do_sample=True, temperature=1.0,
-                             top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             pad_token_id=0, eos_token_id=None)
-        outs.append(out[:, : p.shape[1] + new_tokens].cpu())
-        if progress:
-            progress("sampling tuning text", min(s + batch, prompts.shape[0]), prompts.shape[0])
-    return torch.cat(outs)
+    outs, hiddens, steps = [], [], []
+    hook = model.model.norm.register_forward_hook(lambda m, i, o: steps.append(o.detach())) if keep_hidden else None
+    try:
+        for s in range(0, prompts.shape[0], batch):
+            p = prompts[s:s + batch].to(device)
+            torch.manual_seed(seed + s // batch)  # each batch its own seed: its text does not depend on the others
+            n = new_tokens + (1 if keep_hidden else 0)
+            out = model.generate(input_ids=p, attention_mask=torch.ones_like(p), do_sample=True, temperature=1.0,
+                                 top_k=0, top_p=1.0, max_new_tokens=n, min_new_tokens=n,
+                                 pad_token_id=0, eos_token_id=None)
+            outs.append(out[:, : p.shape[1] + new_tokens].cpu())
+            if keep_hidden:
+                hiddens.append(torch.cat(steps, 1)[:, : p.shape[1] + new_tokens].to(torch.float16).cpu())
+                steps.clear()
+            if progress:
+                progress("sampling tuning text", min(s + batch, prompts.shape[0]), prompts.shape[0])
+    finally:
+        if hook is not None:
+            hook.remove()
+    return (torch.cat(outs), torch.cat(hiddens)) if keep_hidden else torch.cat(outs)

@@ -16,7 +16,8 @@ silently reused. It is removed when the tuned output is committed.
 Layout of `OUT.moeify-tune/`:
     run.json                 what the run is: source and base fingerprints, settings, seeds, the base's path
     carved/                  (convert only) the untuned carve the run starts from
-    sampled/batch-NNNNN.*    the dense model's own text, one file per sampling batch, while sampling
+    sampled/batch-NNNNN.*    the dense model's own text, one file per sampling batch, with the teacher's final
+                             hidden states on it (the tuning targets of those windows, kept from the sampling)
     data.safetensors         the tuning text: training and held-out windows (once assembled)
     state.json               the last saved snapshot's step and metadata (replaced atomically)
     state-STEP.safetensors   that snapshot's tensors; best-STEP.safetensors the best checked weights
@@ -359,8 +360,9 @@ def real_windows(src_path: Path, sources, seq: int) -> tuple[torch.Tensor, torch
 def sampled_windows(teacher, real: torch.Tensor, n_windows: int, seed: int, folder: Path,
                     progress: Progress | None) -> torch.Tensor:
     """n_windows of the dense model's own continuations of short prompts cut from the real text, sampled
-    SAMPLE_BATCH at a time, each batch under its own seed and saved to `folder` as it is done, so an interrupted
-    sampling resumes at its next batch with the same text."""
+    SAMPLE_BATCH at a time, each batch under its own seed and saved to `folder` as it is done (with the teacher's
+    final hidden states at every position, kept from the sampling's forward passes: TeacherTargets), so an
+    interrupted sampling resumes at its next batch with the same text."""
     from .distill import sample_text
 
     seq = real.shape[1]
@@ -378,40 +380,63 @@ def sampled_windows(teacher, real: torch.Tensor, n_windows: int, seed: int, fold
             out.append(load_file(str(f))["windows"])
         else:
             batch = prompts[b * SAMPLE_BATCH:(b + 1) * SAMPLE_BATCH]
-            out.append(sample_text(teacher, batch, seq - n_prompt, seed * 100_003 + b, batch=SAMPLE_BATCH))
-            _atomic_save({"windows": out[-1].contiguous()}, f)
+            windows, hidden = sample_text(teacher, batch, seq - n_prompt, seed * 100_003 + b, batch=SAMPLE_BATCH,
+                                          keep_hidden=True)
+            _atomic_save({"windows": windows.contiguous(), "hidden": hidden.contiguous()}, f)
+            out.append(windows)
+            del hidden
             release_memory()  # the sampling's KV cache
         if progress:
             progress("sampling tuning text", min((b + 1) * SAMPLE_BATCH, n_windows) * seq, n_windows * seq)
     return torch.cat(out)
 
 
+class TeacherTargets:
+    """targets(i) for moeify.distill.distill: the teacher's final hidden states of training window i where the
+    sampling kept them (the sampled windows, read from the batch files on demand), None for the real text."""
+
+    def __init__(self, folder: Path, first: int, skip: int, batch: int):
+        from safetensors import safe_open
+
+        self.first, self.skip, self.batch = first, skip, batch  # train index of the first sampled window; held out
+        self.files = [safe_open(str(f), "pt") for f in sorted(folder.glob("batch-*.safetensors"))]
+
+    def __call__(self, i: int) -> torch.Tensor | None:
+        if i < self.first:
+            return None
+        j = i - self.first + self.skip
+        return self.files[j // self.batch].get_slice("hidden")[j % self.batch]
+
+
 def tuning_data(root: Path, src_path: Path, base: BaseOutput, opts: TuneOptions, seq: int, seed: int, teacher,
-                progress: Progress | None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+                progress: Progress | None) -> tuple[torch.Tensor, torch.Tensor, dict, TeacherTargets | None]:
     """The run's tuning text, assembled once and saved in the state directory (a resumed run reads it back): every
     window of the real texts, and windows the dense model samples itself (opts.generated of the budget, never
-    repeated), a few of each held out for early stopping. Returns (train, held out, description)."""
+    repeated), a few of each held out for early stopping. Returns (train, held out, description, the teacher's
+    targets kept from sampling)."""
     f = root / "data.safetensors"
-    if f.is_file():
-        data = load_file(str(f))
-        return data["train"], data["held_out"], json.loads((root / "data.json").read_text())
-    real, held, text = real_windows(src_path, _text_sources(base, opts), seq)
-    train, held_parts = [real], [held]
-    n_gen = round(opts.generated * opts.tokens / seq)
-    if n_gen:
-        n_hold_gen = min(2, max(1, n_gen // 10))
-        sampled = sampled_windows(teacher, real, n_gen + n_hold_gen, seed, root / "sampled", progress)
-        train.append(sampled[n_hold_gen:])
-        held_parts.append(sampled[:n_hold_gen])
-        text["generated"] = {"windows": int(sampled.shape[0]), "held_out": n_hold_gen,
-                             "prompt_tokens": min(16, seq // 4)}
-    train, held_out = torch.cat(train), torch.cat(held_parts)
-    if held_out.shape[0] == 0:  # tiny texts: hold out the last training window rather than nothing
-        held_out, train = train[-1:], train[:-1]
-    (root / "data.json").write_text(json.dumps(text))
-    _atomic_save({"train": train.contiguous(), "held_out": held_out.contiguous()}, f)
-    shutil.rmtree(root / "sampled", ignore_errors=True)
-    return train, held_out, text
+    if not f.is_file():
+        real, held, text = real_windows(src_path, _text_sources(base, opts), seq)
+        train, held_parts = [real], [held]
+        n_gen = round(opts.generated * opts.tokens / seq)
+        if n_gen:
+            n_hold_gen = min(2, max(1, n_gen // 10))
+            sampled = sampled_windows(teacher, real, n_gen + n_hold_gen, seed, root / "sampled", progress)
+            train.append(sampled[n_hold_gen:])
+            held_parts.append(sampled[:n_hold_gen])
+            text["generated"] = {"windows": int(sampled.shape[0]), "held_out": n_hold_gen,
+                                 "prompt_tokens": min(16, seq // 4), "first_train_window": int(real.shape[0]),
+                                 "sample_batch": SAMPLE_BATCH}
+        train, held_out = torch.cat(train), torch.cat(held_parts)
+        if held_out.shape[0] == 0:  # tiny texts: hold out the last training window rather than nothing
+            held_out, train = train[-1:], train[:-1]
+        (root / "data.json").write_text(json.dumps(text))
+        _atomic_save({"train": train.contiguous(), "held_out": held_out.contiguous()}, f)
+    data, text = load_file(str(f)), json.loads((root / "data.json").read_text())
+    gen = text.get("generated")
+    targets = (TeacherTargets(root / "sampled", gen["first_train_window"], gen["held_out"], gen["sample_batch"])
+               if gen else None)
+    return data["train"], data["held_out"], text, targets
 
 
 # ------------------------------------------------------------------------------------------ student and output
@@ -628,7 +653,7 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
         raise MoeifyError(f"tuning cannot load {src} ({exc.__class__.__name__})",
                           "tuning needs the source's safetensors weights") from None
     seq = int(bo.report.get("calibration", {}).get("seq_len") or min(cfg.calib_seq_len, teacher.config.max_position_embeddings))
-    train, held, text = tuning_data(root, src, bo, opts, seq, seed, teacher, progress)
+    train, held, text, targets = tuning_data(root, src, bo, opts, seq, seed, teacher, progress)
     reader = CheckpointReader(base)
     student, own_attention = build_student(teacher, bo, reader, dev)
     settings = DistillSettings(tokens=opts.tokens, lr=opts.lr, train_router=opts.train_router,
@@ -639,7 +664,8 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
     state = TuningState(root, save_every)
     saved = state.load()
     with _stop_on_signal(state, notify):
-        info = distill(teacher, student, train, held, settings, progress=progress, state=state, resume=saved)
+        info = distill(teacher, student, train, held, settings, progress=progress, state=state, resume=saved,
+                       targets=targets)
     info = {"scope": "model", "lr": opts.lr, "seed": seed, "text": text, "resumed": saved is not None,
             "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), **info}
     del teacher

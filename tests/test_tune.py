@@ -390,3 +390,35 @@ def test_dense_router_gradient_changes_the_gradient_not_the_model():
                                                                          router_grad="dense", autocast="off"))
     assert info["holdout_kl_after"] <= info["holdout_kl_before"]
     assert not any(m.dense_grad for m in student.modules() if isinstance(m, MaskedMoE))
+
+
+def test_sampling_keeps_the_teachers_targets_and_tuning_skips_the_teacher_on_them():
+    """The final hidden states kept while sampling equal a full forward over the sampled windows (float16 storage,
+    KV-cached computation), and a step whose windows have kept targets does not run the teacher, training the same
+    weights as one that runs it."""
+    from moeify.distill import DistillSettings, distill, final_hidden, sample_text
+
+    teacher, _ = _tiny_teacher_student()
+    prompts = torch.randint(0, 97, (6, 4), generator=torch.Generator().manual_seed(3))
+    windows, hidden = sample_text(teacher, prompts, 12, seed=5, batch=4, keep_hidden=True)
+    assert windows.shape == (6, 16) and hidden.shape == (6, 16, 32) and hidden.dtype == torch.float16
+    assert torch.equal(windows, sample_text(teacher, prompts, 12, seed=5, batch=4))  # the same text either way
+    with torch.no_grad():
+        full = final_hidden(teacher, windows)
+    assert (hidden.float() - full).abs().max().item() <= 2e-3 * full.abs().max().item()
+
+    ids = torch.randint(0, 97, (24, 16), generator=torch.Generator().manual_seed(1))
+    results = []
+    for kept in (False, True):
+        teacher, student = _tiny_teacher_student()
+        with torch.no_grad():
+            exact = {i: final_hidden(teacher, ids[i:i + 1])[0] for i in range(10, 20)}  # windows 10..19 "sampled"
+        calls = []
+        hook = teacher.model.register_forward_hook(lambda m, i, o: calls.append(1))
+        settings = DistillSettings(tokens=8 * 64, batch_tokens=64, evals=2, autocast="off", lr=0.03)
+        info = distill(teacher, student, ids[:20], ids[20:], settings, targets=exact.get if kept else None)
+        hook.remove()
+        results.append((info, student.model.layers[0].mlp.gate.detach().clone(), len(calls)))
+    (a, wa, calls_a), (b, wb, calls_b) = results
+    assert torch.equal(wa, wb) and a["holdout_curve"] == b["holdout_curve"]
+    assert calls_a == 8 * 4 + 1 and calls_b < calls_a  # 4 windows a step, plus the held-out targets once
