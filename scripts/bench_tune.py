@@ -5,7 +5,8 @@
 Measured side by side in one process, interleaved (the machine is noisy; ratios are what transfer): a dense
 forward + backward with the usual next-token cross-entropy (what pretraining or a LoRA step costs), one tuning step
 of moeify.distill (teacher forward, student forward + backward, chunked KL, Adam) on a carved student (the layout of
---experts/--top-k; the partition is random: the cost does not depend on it), and sampling 1,024 tokens of tuning
+--experts/--top-k; the partition is random: the cost does not depend on it), the same step on sampled text whose
+teacher targets the sampling kept (no teacher forward), the mix of the two at --generated, and sampling 1,024 tokens of tuning
 text from the dense model (moeify.distill.sample_text, batch 64, 112 new tokens after 16: shorter contexts than
 the 512 of real tuning windows, so a lower bound). Wall and CPU seconds for each.
 """
@@ -24,7 +25,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moeify.distill import DistillSettings, MaskedMoE, _autocast, accumulate_kl, sample_text, share_frozen  # noqa: E402
+from moeify.distill import (DistillSettings, MaskedMoE, _autocast, accumulate_kl, final_hidden, sample_text,  # noqa: E402
+                            share_frozen)
 
 
 def timed(fn, repeats: int) -> tuple[float, float]:
@@ -49,6 +51,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--micro-windows", type=int, default=DistillSettings(tokens=0).micro_windows,
                     help="windows per forward + backward of a tuning step (moeify's default: %(default)s)")
+    ap.add_argument("--generated", type=float, default=0.5, help="share of sampled tuning text, whose teacher "
+                    "targets are kept from sampling (the presets': %(default)s)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -85,6 +89,14 @@ def main() -> None:
         accumulate_kl(teacher, student, ids, student.lm_head.weight, ctx, settings)
         opt.step()
 
+    with torch.no_grad():  # the teacher's targets, as the sampling keeps them for the text it samples (float16)
+        kept = [h for h in final_hidden(teacher, ids).to(torch.float16)]
+
+    def tune_step_kept():  # the same step on sampled windows: the teacher's forward is skipped
+        opt.zero_grad(set_to_none=True)
+        accumulate_kl(teacher, student, ids, student.lm_head.weight, ctx, settings, kept)
+        opt.step()
+
     prompts = torch.randint(0, teacher.config.vocab_size, (64, 16), generator=gen)
 
     def sample():
@@ -92,9 +104,12 @@ def main() -> None:
 
     rows = {}
     for name, fn in (("dense forward + backward (CE)", dense_step), ("tuning step (KL distillation)", tune_step),
-                     ("sampling tuning text", sample)):
+                     ("tuning step, targets kept", tune_step_kept), ("sampling tuning text", sample)):
         w, c = timed(fn, args.repeats)
         rows[name] = (w / 7, c / 7) if fn is sample else (w, c)
+    g = args.generated
+    rows[f"tuning step, {g:.0%} sampled text"] = tuple(
+        (1 - g) * a + g * b for a, b in zip(rows["tuning step (KL distillation)"], rows["tuning step, targets kept"]))
     base = rows["dense forward + backward (CE)"][0]
     print(f"{args.model.name}, {args.experts} experts top-{args.top_k}, {args.threads} thread(s), micro-batches of {args.micro_windows} window(s), bf16 autocast "
           f"{'on' if bf16 else 'off'}; per 1,024 tokens (median of {args.repeats})")
