@@ -1,0 +1,77 @@
+"""The tokens -> quality curve of tuned checkpoints: each written output scored against the dense model.
+
+    python scripts/bench_curve.py models/smollm2-135m out/p50-262k out/p50-524k --json curve.json --append
+
+Every checkpoint is loaded with AutoModelForCausalLM (the real output format) and scored on the same first
+--eval-tokens tokens of each held-out text (non-overlapping windows of --seq-len) as the dense model, as
+scripts/bench_quality.py scores its rows; the tuning tokens come from the checkpoint's own report.json (the
+cumulative `tuning.tokens` of every `moeify convert` / `moeify tune` run it went through). This is how the curve
+of continued schedules (`moeify tune OUT --tokens N` again and again) is measured: one point per written output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_quality import load_moe, perplexity, tokens_of  # noqa: E402
+
+CORPORA = ROOT.parent / "shared" / "corpora"
+TEXTS = [CORPORA / "wikitext2" / "valid.txt", CORPORA / "tinyshakespeare" / "valid.txt",
+         Path("/usr/share/common-licenses/GPL-3")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("dense", type=Path)
+    ap.add_argument("checkpoints", type=Path, nargs="+")
+    ap.add_argument("--eval", type=Path, nargs="+", default=TEXTS)
+    ap.add_argument("--eval-tokens", type=int, default=8192)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--label", default="", help="a name for these points (e.g. 'active-50, continued schedules')")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--append", action="store_true", help="add to the points already in --json")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM
+
+    names = [p.parent.name if p.name.endswith(".txt") else p.name for p in args.eval]
+    evals = {n: tokens_of(args.dense, p, args.eval_tokens) for n, p in zip(names, args.eval)}
+    dense = AutoModelForCausalLM.from_pretrained(args.dense, dtype=torch.float32).eval()
+    dense_ppl = {n: perplexity(dense, ids, args.seq_len) for n, ids in evals.items()}
+    del dense
+    results = {"dense": str(args.dense), "eval": {n: str(p) for n, p in zip(names, args.eval)},
+               "eval_tokens": {n: int(ids.numel()) for n, ids in evals.items()}, "seq_len": args.seq_len,
+               "dense_ppl": dense_ppl, "points": []}
+    if args.append and args.json and args.json.is_file():
+        results["points"] = json.loads(args.json.read_text())["points"]
+    print("dense ppl " + ", ".join(f"{n} {p:.3f}" for n, p in dense_ppl.items()), flush=True)
+    for ckpt in args.checkpoints:
+        report = json.loads((ckpt / "report.json").read_text())
+        tuning = report.get("tuning", {})
+        model = load_moe(ckpt)
+        ppl = {n: perplexity(model, ids, args.seq_len) for n, ids in evals.items()}
+        del model
+        point = {"label": args.label, "checkpoint": str(ckpt), "tokens": tuning.get("tokens", 0),
+                 "runs": [{k: r.get(k) for k in ("tokens", "steps", "seconds", "cpu_seconds", "seconds_per_1k_tokens",
+                                                 "holdout_kl_before", "holdout_kl_after", "step_kept", "seed",
+                                                 "resumed")} for r in tuning.get("runs", [])],
+                 "ppl": ppl, "ratio": {n: ppl[n] / dense_ppl[n] for n in ppl}}
+        results["points"].append(point)
+        print(f"{ckpt.name}: {point['tokens']:,} tuning tokens, ratio "
+              + "  ".join(f"{n} {v:.3f}" for n, v in point["ratio"].items()), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
