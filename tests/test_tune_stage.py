@@ -171,6 +171,26 @@ def test_kill_9_at_a_random_step_then_resume_gives_the_same_weights(carved, tmp_
     assert not state_dir(b).exists()
 
 
+def test_ctrl_c_saves_and_prints_the_command_that_resumes(carved, tmp_path):
+    dense, carve = carved
+    out = _copy(carve, tmp_path / "moe")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+    proc = subprocess.Popen([sys.executable, "-c", "from moeify.cli import main; main()", "tune", str(dense), str(out),
+                             "--tokens", str(64 * 1024), "--tune-generated", "0.25"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (state_dir(out) / "data.safetensors").is_file():  # tuning has started
+        time.sleep(0.05)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert f"moeify tune {dense} {out} --resume" in " ".join(err.split()), err
+    meta = json.loads((state_dir(out) / "state.json").read_text())["meta"]
+    assert 0 < meta["step"] < meta["total"] == 64  # saved at the end of the step in progress
+    _assert_identical(out, carve)
+
+
 def test_a_tuned_output_tunes_further_and_keeps_its_history(carved, tmp_path):
     dense, carve = carved
     out = _copy(carve, tmp_path / "moe")
