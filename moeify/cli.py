@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -34,12 +35,25 @@ def _stage_callback(bar: Progress):
     """A progress callback (stage, done, total) that shows one bar per stage."""
     tasks: dict[str, int] = {}
 
+    logged: dict[str, float] = {}
+
     def on_progress(stage: str, done: int, total: int, note: str = "") -> None:
         if stage not in tasks:
             tasks[stage] = bar.add_task(stage, total=total)
+            logged[stage] = time.time()
         bar.update(tasks[stage], completed=done, description=f"{stage}: {note}" if note else stage)
+        if not bar.console.is_terminal and (time.time() - logged[stage] >= LOG_EVERY or done == total):
+            # no live bar in a log file (nohup, a batch job): a plain line now and then instead
+            logged[stage] = time.time()
+            task = bar.tasks[tasks[stage]]
+            eta = f", {task.time_remaining / 60:.0f} min left" if task.time_remaining and done < total else ""
+            bar.console.print(f"{time.strftime('%H:%M:%S')} {stage}: {done:,}/{total:,}{eta}" + (f" ({note})" if note
+                              else ""), highlight=False, soft_wrap=True)
 
     return on_progress
+
+
+LOG_EVERY = 60.0  # seconds between progress lines when stderr is not a terminal
 
 
 class _CountColumn(ProgressColumn):
