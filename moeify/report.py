@@ -209,7 +209,13 @@ def print_tuning(console: Console, report: dict, header: bool = True, estimate: 
         t.add_row("sampling", f"{e['sampled_tokens']:,} tokens, {e['sampling_seconds_per_1k']:.2f} s per 1,024")
         t.add_row("estimated time", f"{_duration(e['estimated_seconds'])} (sampling {_duration(e['sampling_seconds'])}"
                   f", tuning {_duration(e['tuning_seconds'])})")
-        t.add_row("peak memory", f"{e['peak_bytes'] / 1e9:.2f} GB ({e['peak_what']})")
+        t.add_row("peak memory, measured", f"{e['peak_bytes'] / 1e9:.2f} GB ({e['peak_what']}, these steps)")
+        p = e["predicted"]
+        fits = ("" if not e.get("device_bytes") else
+                f"; the device has {e['device_bytes'] / 1e9:.1f} GB" + ("" if p["peak"] <= e["device_bytes"]
+                                                                         else ": DOES NOT FIT"))
+        t.add_row("peak memory, predicted", f"{p['peak'] / 1e9:.2f} GB (tuning {p['tuning_peak'] / 1e9:.2f}, "
+                  f"sampling {p['sampling_peak'] / 1e9:.2f}{fits})")
         console.print(t)
         return
     history = report.get("tuning", {})

@@ -50,6 +50,7 @@ from .checkpoint import (INDEX_NAME, CheckpointReader, ShardLayout, ShardWriter,
 from .config import ConvertConfig, build_config, config_to_toml
 from .errors import MoeifyError
 from .families import ATTENTION_TENSORS, TOKENIZER_FILES, ffn_tensor_names
+from .memory import device_memory
 from .numerics import release_memory, resolve_device
 from .partition import Partition
 
@@ -738,12 +739,27 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
         peak, what = torch.cuda.max_memory_allocated(), "torch.cuda.max_memory_allocated"
     else:
         peak, what = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "peak RSS of this process"
+    predicted = predicted_memory(src, bo, opts, seq, dev, settings)
     return {"tokens": opts.tokens, "device": dev, "step_tokens": per_step, "step_seconds": step_s,
             "tokens_per_second": per_step / step_s, "steps": n_steps, "sampled_tokens": sampled,
             "sampling_seconds_per_1k": sampling_rate, "sampling_seconds": sampled / 1024 * sampling_rate,
             "tuning_seconds": n_steps * step_s,
             "estimated_seconds": n_steps * step_s + sampled / 1024 * sampling_rate,
-            "peak_bytes": peak, "peak_what": what + f"; sampling at batch {SAMPLE_BATCH} adds its KV cache"}
+            "peak_bytes": peak, "peak_what": what, "predicted": predicted.to_dict(),
+            "device_bytes": device_memory(dev)}
+
+
+def predicted_memory(src: Path, bo: BaseOutput, opts: TuneOptions, seq: int, dev: str, settings=None):
+    """moeify.memory's prediction for this run (the config of SRC, the layout of the output)."""
+    from .distill import DistillSettings, _autocast
+    from .families import load_source
+    from .memory import source_tuning_memory
+
+    settings = settings or DistillSettings(tokens=opts.tokens)
+    return source_tuning_memory(load_source(src), bo.cfg.experts, len(bo.cfg.dense_layers), seq=seq,
+                                micro_windows=settings.micro_windows, kl_chunk=settings.kl_chunk,
+                                sample_batch=SAMPLE_BATCH, bf16=_autocast(dev, settings.autocast)[1],
+                                train_attention=opts.train_attention, device=dev)
 
 
 def refuse_leftover_state(out: Path, src: Path, overwrite: bool) -> None:

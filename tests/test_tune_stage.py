@@ -263,9 +263,36 @@ def test_tune_command_line(carved, tmp_path):
     assert res.exit_code == 0, res.output
     est = json.loads(res.stdout[res.stdout.index("{"):])
     assert est["steps"] == 4 and est["step_seconds"] > 0 and est["peak_bytes"] > 50e6
+    assert est["predicted"]["peak"] >= est["predicted"]["tuning_peak"] > est["predicted"]["baseline"] > 0
     assert est["estimated_seconds"] == pytest.approx(est["tuning_seconds"] + est["sampling_seconds"])
     assert not state_dir(out).exists()
     _assert_identical(out, carve)  # --dry-run writes nothing
     res = runner.invoke(app, ["tune", str(dense), str(out), "--tokens", "2048", "--tune-generated", "0.25"])
     assert res.exit_code == 0, res.output
     assert "tuned on 2,048 tokens" in res.output
+
+
+def test_memory_model_counts_what_tuning_holds(carved):
+    """The memory model's teacher and student terms are the bytes of the tensors tuning really holds (its
+    activation and KL terms are held against measured peaks in scripts/bench_memory.py, not here)."""
+    from moeify.checkpoint import CheckpointReader
+    from moeify.distill import MaskedMoE, share_frozen
+    from moeify.families import load_source
+    from moeify.memory import source_tuning_memory
+    from moeify.tune import build_student, read_output
+    from transformers import AutoModelForCausalLM
+
+    dense, carve = carved
+    bo = read_output(carve)
+    teacher = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
+    reader = CheckpointReader(carve)
+    student, own = build_student(teacher, bo, reader, "cpu")
+    reader.close()
+    share_frozen(teacher, student, False, torch.bfloat16, own)
+    model = source_tuning_memory(load_source(dense), bo.cfg.experts, bf16=True)
+    assert model.teacher == sum(p.numel() * p.element_size() for p in teacher.parameters())
+    shared = {id(p) for p in teacher.parameters()}
+    own_params = [p for p in student.parameters() if id(p) not in shared]
+    trainable = sum(p.numel() for m in student.modules() if isinstance(m, MaskedMoE) for p in m.parameters())
+    assert sum(p.numel() for p in own_params) == trainable  # every layer carved: the student owns only its MoEs
+    assert model.student == 4 * 4 * trainable  # weights, gradients, two Adam moments, float32

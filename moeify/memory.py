@@ -1,0 +1,96 @@
+"""Peak memory of recovery tuning on one device, predicted from the config alone (no weights read).
+
+What `moeify/tune.py` holds while it tunes (moeify.distill; every term is a tensor the code keeps):
+- the teacher: every dense parameter in float32, except its FFN weights, stored in bf16 when tuning runs under bf16
+  autocast (share_frozen: autocast casts them at every call anyway);
+- the student's own tensors: the carved FFNs (gate, up, down at the dense width: the masked student computes every
+  neuron) and routers in float32, their gradients and Adam's two moments (4 copies), and the dense layers' FFNs
+  (student copies, frozen); with --tune-attention the attention projections and norms too (4 copies);
+- the activations autograd keeps for the backward pass of one micro-batch (one window of seq tokens): per token and
+  layer about 6 d_ff (the FFN's gate and up products, their activation and product, the mask and the masked
+  product) plus 10 d (the norms, q/k/v/attention output and the FFN input) values, in float32, or half of that in
+  bf16 under autocast;
+- the KL of one chunk: three (chunk, vocabulary) float32 tensors (both log-softmaxes and the teacher's probabilities);
+- the sampling of tuning text, before the student exists: the teacher, its KV cache for a batch of windows (float32:
+  2 · layers · kv_heads · head_dim values per token) and the kept final hidden states;
+- a process baseline (the Python runtime, torch and transformers, the tokenizer): measured, about 0.6 GB on CPU.
+The prediction is the larger of the sampling and tuning phases. scripts/bench_memory.py holds it against the measured
+peak (RSS on CPU, torch.cuda.max_memory_allocated on a GPU); BENCHMARKS.md "Tuning memory" has the numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CPU_BASELINE = 600 * 2**20  # bytes: python + torch + transformers + tokenizer, measured on CPU (bench_memory.py)
+
+
+@dataclass(frozen=True)
+class TuneMemory:
+    teacher: int
+    student: int  # the student's own weights, gradients and Adam moments (and frozen dense-layer FFN copies)
+    activations: int
+    kl: int
+    sampling: int  # KV cache and kept hidden states of one sampling batch
+    baseline: int
+
+    @property
+    def tuning_peak(self) -> int:
+        return self.teacher + self.student + self.activations + self.kl + self.baseline
+
+    @property
+    def sampling_peak(self) -> int:
+        return self.teacher + self.sampling + self.baseline
+
+    @property
+    def peak(self) -> int:
+        return max(self.tuning_peak, self.sampling_peak)
+
+    def to_dict(self) -> dict:
+        return {"teacher": self.teacher, "student": self.student, "activations": self.activations, "kl": self.kl,
+                "sampling": self.sampling, "baseline": self.baseline, "tuning_peak": self.tuning_peak,
+                "sampling_peak": self.sampling_peak, "peak": self.peak}
+
+
+def tuning_memory(*, hidden: int, d_ff: int, n_layers: int, heads: int, kv_heads: int, head_dim: int, vocab: int,
+                  tied: bool, experts: int, dense_layers: int = 0, seq: int = 512, micro_windows: int = 1,
+                  kl_chunk: int = 256, sample_batch: int = 64, bf16: bool = False, train_attention: bool = False,
+                  device: str = "cpu") -> TuneMemory:
+    """Predicted bytes of each part of a tuning run (see the module docstring)."""
+    h, f, L = hidden, d_ff, n_layers
+    attn = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2 + 2 * h  # q, o, k, v projections and two norms
+    ffn = 3 * h * f
+    embed = vocab * h * (1 if tied else 2) + h
+    teacher = 4 * (embed + L * attn) + L * ffn * (2 if bf16 else 4)
+    carved = L - dense_layers
+    trainable = carved * (ffn + experts * h + 1) + (L * attn if train_attention else 0)
+    student = 4 * 4 * trainable + 4 * dense_layers * ffn
+    act_bytes = 2 if bf16 else 4
+    tokens = seq * micro_windows
+    activations = tokens * L * (6 * f + 10 * h) * act_bytes + tokens * h * 4 * 2  # + final hidden and its gradient
+    kl = 3 * kl_chunk * vocab * 4
+    sampling = sample_batch * seq * (L * 2 * kv_heads * head_dim * 4 + h * 4) + sample_batch * vocab * 4 * 2
+    return TuneMemory(teacher, student, activations, kl, sampling, CPU_BASELINE if device == "cpu" else 0)
+
+
+def source_tuning_memory(src, experts: int, dense_layers: int = 0, **kw) -> TuneMemory:
+    """tuning_memory of a moeify.families.SourceModel."""
+    return tuning_memory(hidden=src.hidden, d_ff=src.d_ff, n_layers=src.n_layers, heads=src.heads,
+                         kv_heads=src.kv_heads, head_dim=src.head_dim, vocab=src.vocab, tied=src.tied,
+                         experts=experts, dense_layers=dense_layers, **kw)
+
+
+def device_memory(device: str) -> int | None:
+    """Total memory of the device tuning runs on: the GPU's, or this machine's RAM; None when unknown."""
+    import os
+
+    if device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_properties(torch.device(device)).total_memory
+        return None
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
