@@ -10,10 +10,11 @@ What `moeify/tune.py` holds while it tunes (moeify.distill; every term is a tens
   layer about 6 d_ff (the FFN's gate and up products, their activation and product, the mask and the masked
   product) plus 10 d (the norms, q/k/v/attention output and the FFN input) values, in float32, or half of that in
   bf16 under autocast;
-- the KL of one chunk: three (chunk, vocabulary) float32 tensors (both log-softmaxes and the teacher's probabilities);
+- the KL of one chunk: four (chunk, vocabulary) float32 tensors at once (logits, both log-softmaxes, the teacher's
+  probabilities), and under bf16 autocast the output head's bf16 copy the gradient product uses;
 - the sampling of tuning text, before the student exists: the teacher, its KV cache for a batch of windows (float32:
   2 · layers · kv_heads · head_dim values per token) and the kept final hidden states;
-- a process baseline (the Python runtime, torch and transformers, the tokenizer): measured, about 0.6 GB on CPU.
+- a process baseline (the Python runtime, torch and transformers, the tokenizer): measured, about 0.5 GB on CPU.
 The prediction is the larger of the sampling and tuning phases. scripts/bench_memory.py holds it against the measured
 peak (RSS on CPU, torch.cuda.max_memory_allocated on a GPU); BENCHMARKS.md "Tuning memory" has the numbers.
 """
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-CPU_BASELINE = 600 * 2**20  # bytes: python + torch + transformers + tokenizer, measured on CPU (bench_memory.py)
+CPU_BASELINE = 500 * 10**6  # bytes: python + torch + transformers + moeify + a tokenizer, measured peak RSS on CPU
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ def tuning_memory(*, hidden: int, d_ff: int, n_layers: int, heads: int, kv_heads
     act_bytes = 2 if bf16 else 4
     tokens = seq * micro_windows
     activations = tokens * L * (6 * f + 10 * h) * act_bytes + tokens * h * 4 * 2  # + final hidden and its gradient
-    kl = 3 * kl_chunk * vocab * 4
+    kl = 4 * kl_chunk * vocab * 4 + (vocab * h * 2 if bf16 else 0)  # + the head's bf16 copy for the gradient
     sampling = sample_batch * seq * (L * 2 * kv_heads * head_dim * 4 + h * 4) + sample_batch * vocab * 4 * 2
     return TuneMemory(teacher, student, activations, kl, sampling, CPU_BASELINE if device == "cpu" else 0)
 

@@ -201,21 +201,20 @@ def print_tuning(console: Console, report: dict, header: bool = True, estimate: 
     estimate, `tune --dry-run`'s measured step and predicted time."""
     if estimate:
         e = report
-        t = Table(title=f"moeify tune --dry-run: {e['tokens']:,} tokens on {e['device']}", title_justify="left")
+        t = Table(title=f"moeify tune --dry-run: {e['tokens']:,} tokens on {e['device']}", title_justify="left",
+                  show_header=False)
         t.add_column("")
         t.add_column("", justify="right")
         t.add_row("tuning step", f"{e['step_seconds']:.2f} s per {e['step_tokens']:,} tokens "
                   f"({e['tokens_per_second']:,.0f} tok/s)")
         t.add_row("sampling", f"{e['sampled_tokens']:,} tokens, {e['sampling_seconds_per_1k']:.2f} s per 1,024")
-        t.add_row("estimated time", f"{_duration(e['estimated_seconds'])} (sampling {_duration(e['sampling_seconds'])}"
-                  f", tuning {_duration(e['tuning_seconds'])})")
-        t.add_row("peak memory, measured", f"{e['peak_bytes'] / 1e9:.2f} GB ({e['peak_what']}, these steps)")
+        t.add_row("estimated time", f"{_duration(e['estimated_seconds'])} (sampling "
+                  f"{_duration(e['sampling_seconds'])})")
         p = e["predicted"]
-        fits = ("" if not e.get("device_bytes") else
-                f"; the device has {e['device_bytes'] / 1e9:.1f} GB" + ("" if p["peak"] <= e["device_bytes"]
-                                                                         else ": DOES NOT FIT"))
-        t.add_row("peak memory, predicted", f"{p['peak'] / 1e9:.2f} GB (tuning {p['tuning_peak'] / 1e9:.2f}, "
-                  f"sampling {p['sampling_peak'] / 1e9:.2f}{fits})")
+        t.add_row("peak memory", f"{e['peak_bytes'] / 1e9:.2f} GB measured, {p['peak'] / 1e9:.2f} GB predicted")
+        if e.get("device_bytes"):
+            t.add_row("device memory", f"{e['device_bytes'] / 1e9:.1f} GB" + ("" if p["peak"] <= e["device_bytes"]
+                                                                             else ": the run does NOT fit"))
         console.print(t)
         return
     history = report.get("tuning", {})

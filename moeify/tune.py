@@ -687,10 +687,11 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
 
 
 def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, resume: bool = False,
-                 device: str = "auto", steps: int = 4, sample_windows: int = 8) -> dict:
+                 device: str = "auto", steps: int = 4) -> dict:
     """`tune --dry-run`: build the teacher and student as the run would, time `steps` tuning steps on the real text
-    (the first is a warm-up) and the sampling of `sample_windows` windows, and measure the peak memory. Writes
-    nothing. Returns the measured rates and the estimated time of the whole run."""
+    (the first is a warm-up) and the sampling of one batch of short continuations, and measure the peak memory.
+    Writes nothing. Returns the measured rates, the estimated time of the whole run and the memory model's
+    prediction (moeify.memory)."""
     import resource
 
     from transformers import AutoModelForCausalLM
@@ -717,9 +718,11 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
     seq = int(bo.report.get("calibration", {}).get("seq_len") or teacher.config.max_position_embeddings)
     real, held, _ = real_windows(src, _text_sources(bo, opts), seq)
     n_prompt = min(16, seq // 4)
+    new = min(seq - n_prompt, 64)  # a full sampling batch, an eighth of a window's new tokens: the rate per token
+    prompts = real[torch.arange(SAMPLE_BATCH) % real.shape[0], :n_prompt]
     t0 = time.time()
-    sample_text(teacher, real[:sample_windows, :n_prompt], seq - n_prompt, 0, batch=sample_windows)
-    sampling_rate = (time.time() - t0) / (sample_windows * (seq - n_prompt)) * 1024
+    sample_text(teacher, prompts, new, 0, batch=SAMPLE_BATCH)
+    sampling_rate = (time.time() - t0) / (SAMPLE_BATCH * new) * 1024
     reader = CheckpointReader(base)
     student, own_attention = build_student(teacher, bo, reader, dev)
     reader.close()
