@@ -67,6 +67,19 @@ class ConversionPlan:
         return engine_notes(self.fmt, self.cfg.top_k, self.cfg.experts, self.shared_width, self.padded_width,
                             self.tied_out, n_dense, s.head_dim, s.hidden, s.heads)
 
+    def tuning_memory(self):
+        """(moeify.memory.TuneMemory, device, the device's memory or None) of this plan's recovery tuning."""
+        from .distill import _autocast
+        from .memory import device_memory, source_tuning_memory
+        from .numerics import resolve_device
+
+        dev = resolve_device(self.cfg.device)
+        seq = min(self.cfg.calib_seq_len, int(self.src.raw.get("max_position_embeddings") or self.cfg.calib_seq_len))
+        mem = source_tuning_memory(self.src, self.cfg.experts, len(self.cfg.dense_layers) or self.cfg.dense_auto,
+                                   seq=seq, bf16=_autocast(dev, "auto")[1], train_attention=self.cfg.tune_attention,
+                                   device=dev)
+        return mem, dev, device_memory(dev)
+
     def summary(self) -> dict:
         """The plan as `convert --dry-run --json` writes it: settings, widths, budget, output size, serving fit."""
         from .plan import serving_json
@@ -78,6 +91,8 @@ class ConversionPlan:
                 "shared_width": self.shared_width, "total_params": b.total_params, "active_params": b.active_params,
                 "ffn_flops_ratio": b.flops_ratio, "output_bytes": self.output_bytes, "shards": len(self.layout.files),
                 "serving": serving_json(self.padded_width),
+                "tuning_memory": (self.tuning_memory()[0].to_dict()
+                                  if self.cfg.tune_tokens and self.cfg.top_k < self.cfg.experts else None),
                 "engines": [{"engine": n.engine, "fails": n.fails, "what": n.what, "fix": n.fix}
                             for n in self.engine_notes]}
 

@@ -141,6 +141,11 @@ def print_plan(console: Console, plan, out: Path) -> None:
                     + (" + attention and norms" if cfg.tune_attention else ""))
             t.add_row("tuning", f"distil {what} to the dense model on {cfg.tune_tokens:,} tokens "
                       f"({cfg.tune_generated:.0%} self-generated); --tune-tokens 0: off")
+            mem, dev, have = plan.tuning_memory()
+            fits = "" if have is None else (f" of {have / 1e9:.1f} GB" + ("" if mem.peak <= have else
+                                                                          ": does NOT fit; use a larger device"))
+            t.add_row("tuning memory", f"{mem.peak / 1e9:.1f} GB predicted on {dev}{fits} (`moeify tune --dry-run` "
+                      "measures it)")
     if cfg.dense_layers:
         t.add_row("dense layers", ", ".join(map(str, cfg.dense_layers)))
     t.add_row("total params", f"{human_count(b.total_params)} ({b.total_ratio:.3f}× dense)")
