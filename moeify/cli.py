@@ -380,6 +380,9 @@ def tune(
     from .tune import TuneOptions, TuningInterrupted, tune_output
     from .report import print_tuning
 
+    import os
+
+    rank = int(os.environ.get("RANK", "0"))
     given = {"tokens": tokens, "lr": lr, "generated": tune_generated,
              "calib": None if calib is None else tuple(str(f) for f in calib),
              "tune_text": None if tune_text is None else tuple(str(f) for f in tune_text),
@@ -394,10 +397,17 @@ def tune(
         if dry_run:
             from .tune import estimate_run
 
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                raise MoeifyError("--dry-run measures one process", "run it without torchrun / accelerate launch")
+
             est = estimate_run(src, out, opts, resume=resume, device=device)
             print_tuning(_tables(json_dest), est, estimate=True)
             if json_dest:
                 _write_json(est, json_dest)
+            return
+        if rank:  # a process of a torchrun / accelerate launch other than the first: rank 0 reports
+            tune_output(src, out, opts, resume=resume, restart=restart, device=device, save_every=save_every,
+                        given=given if resume else None)
             return
         with _progress() as bar:
             report = tune_output(src, out, opts, resume=resume, restart=restart, device=device, save_every=save_every,
@@ -407,6 +417,8 @@ def tune(
         if json_dest:
             _write_json(report, json_dest)
     except MoeifyError as exc:
+        if rank:
+            raise typer.Exit(2)
         _fail(exc)
     except TuningInterrupted:
         _interrupted_tuning(src, out)

@@ -78,7 +78,7 @@ class MaskedMoE(torch.nn.Module):
         super().__init__()
         self.gate, self.up, self.down = (torch.nn.Parameter(t.detach().float().clone()) for t in (gate, up, down))
         self.router = torch.nn.Parameter(router.detach().float().clone())
-        self.log_scale = torch.nn.Parameter(torch.tensor(math.log(scale), dtype=torch.float32))
+        self.log_scale = torch.nn.Parameter(torch.tensor([math.log(scale)], dtype=torch.float32))  # 1-d: FSDP2 shards it
         self.register_buffer("labels", labels.clone())
         self.top_k, self.fmt, self.shared_gate = top_k, fmt, shared_gate
         self.dense_grad = False  # DenseMixer: the router's gradient as if every expert ran (forward unchanged)
@@ -274,7 +274,7 @@ class _TempKeeper:
 
 
 def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, settings: DistillSettings,
-            progress=None, state=None, resume: tuple[dict, dict] | None = None, targets=None) -> dict:
+            progress=None, state=None, resume: tuple[dict, dict] | None = None, targets=None, par=None) -> dict:
     """Train the student's MaskedMoE weights (and routers) towards the teacher's next-token distributions.
 
     train: (n_windows, seq_len) token windows to draw the budget from; held_out: (m, seq_len) windows never trained
@@ -286,7 +286,11 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
     saving when a stop was requested); None: a temporary file, nothing saved. resume: (tensors, meta) of a saved
     snapshot: the run continues from it and ends with the weights an uninterrupted run would have (same machine and
     thread count). targets: targets(i) -> the teacher's final hidden states of training window i, (seq, d), kept
-    from sampling it, or None (the teacher runs on that window)."""
+    from sampling it, or None (the teacher runs on that window). par: moeify.parallel.Parallel of a run across
+    processes (the student's MaskedMoEs sharded by FSDP2; each rank trains on its share of every step's windows)."""
+    from .parallel import Parallel, assign, full, like
+
+    par = par or Parallel()
     if settings.router_grad not in ("topk", "dense"):
         raise ValueError(f"router_grad {settings.router_grad!r}: use 'topk' or 'dense'")
     device = next(student.parameters()).device
@@ -307,11 +311,10 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
         if len(r_meta["base_lrs"]) != len(params) - len(temps) + bool(temps):
             raise ValueError("saved tuning state is for another set of trainable tensors")
         base_lrs = list(r_meta["base_lrs"])  # the step sizes of the run's start, not of the resumed weights
-        with torch.no_grad():
-            for j, p in enumerate(params):
-                p.copy_(r_tensors[f"param.{j}"])
+        for j, p in enumerate(params):
+            assign(p, r_tensors[f"param.{j}"])
     else:  # each tensor's step relative to its RMS at the start of the run; the temperatures' absolute
-        base_lrs = [rel * p.detach().pow(2).mean().sqrt().item()
+        base_lrs = [rel * full(p.detach()).pow(2).mean().sqrt().item()
                     for ps, rel in ((experts + routers, settings.lr), (attention, settings.attention_lr)) for p in ps]
         base_lrs += [settings.temp_lr] if temps else []
     n_single = len(experts) + len(routers) + len(attention)
@@ -321,13 +324,18 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
         groups.append({"params": temps, "lr": base_lrs[-1]})
     opt = torch.optim.Adam(groups, betas=(0.9, 0.99))
     if resume is not None:
-        opt.load_state_dict({"state": {int(k.split(".")[1]): {"step": r_tensors[f"opt.{k.split('.')[1]}.step"],
-                                                               "exp_avg": r_tensors[f"opt.{k.split('.')[1]}.exp_avg"],
-                                                               "exp_avg_sq": r_tensors[k]}
-                                       for k in r_tensors if k.startswith("opt.") and k.endswith(".exp_avg_sq")},
+        by_index = [p for g in groups for p in g["params"]]  # the optimizer's own numbering of the parameters
+
+        def moments(i: int) -> dict:
+            return {"step": r_tensors[f"opt.{i}.step"], "exp_avg": like(by_index[i], r_tensors[f"opt.{i}.exp_avg"]),
+                    "exp_avg_sq": like(by_index[i], r_tensors[f"opt.{i}.exp_avg_sq"])}
+
+        opt.load_state_dict({"state": {i: moments(i) for i in range(len(by_index)) if f"opt.{i}.step" in r_tensors},
                              "param_groups": r_meta["param_groups"]})
     seq = train.shape[1]
     per_step = max(1, settings.batch_tokens // seq)
+    if per_step % par.world:
+        raise ValueError(f"{per_step} windows a step cannot be split evenly across {par.world} processes")
     total = max(1, math.ceil(settings.tokens / (per_step * seq)))
     warm = min(settings.warmup_steps, max(1, total // 10))
 
@@ -347,8 +355,8 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
                   * t.shape[0] for s, t in zip(range(0, len(held_out), per_step), hold_t)]
         return (sum(kl) / len(held_out)).item()
 
-    def trainable() -> dict[str, torch.Tensor]:
-        return {f"param.{j}": p.detach().contiguous().cpu() for j, p in enumerate(params)}
+    def trainable() -> dict[str, torch.Tensor]:  # whole tensors (gathered from the ranks' shards)
+        return {f"param.{j}": full(p.detach()).contiguous().cpu() for j, p in enumerate(params)}
 
     stream = WindowStream(train, settings.seed)
     checks = sorted({max(1, round(total * (i + 1) / settings.evals)) for i in range(settings.evals)})
@@ -369,7 +377,7 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
         opt_state = opt.state_dict()
         for i, st in opt_state["state"].items():
             for k, v in st.items():
-                tensors[f"opt.{i}.{k}"] = v.detach().contiguous().cpu()
+                tensors[f"opt.{i}.{k}"] = full(v.detach()).contiguous().cpu()
         stream_t, stream_m = stream.state()
         tensors.update(stream_t)
         meta = {"step": step, "total": total, "base_lrs": base_lrs, "param_groups": opt_state["param_groups"],
@@ -388,9 +396,9 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
         for g, lr in zip(opt.param_groups, base_lrs):
             g["lr"] = lr * lr_at(step - 1)
         opt.zero_grad(set_to_none=True)
-        idx = stream.take_indices(per_step)
-        step_kl = accumulate_kl(teacher, student, train[idx], head, ctx, settings,
-                                None if targets is None else [targets(int(i)) for i in idx]).item()
+        idx = stream.take_indices(per_step)[par.rank::par.world]  # this rank's share of the step's windows
+        step_kl = par.mean(accumulate_kl(teacher, student, train[idx], head, ctx, settings,
+                                         None if targets is None else [targets(int(i)) for i in idx])).item()
         opt.step()
         ema = step_kl if ema is None else 0.95 * ema + 0.05 * step_kl
         if step in checks:
@@ -415,10 +423,9 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
     kept = keeper.kept()
     if state is None:
         keeper.close()
-    with torch.no_grad():
-        for j, p in enumerate(params):
-            p.copy_(kept.pop(f"param.{j}").to(p.device))
-            p.requires_grad_(False)
+    for j, p in enumerate(params):
+        assign(p, kept.pop(f"param.{j}"))
+        p.requires_grad_(False)
     seconds = seconds_before + time.time() - t0 - hook_s
     tokens = total * per_step * seq
     return {"holdout_kl_before": before, "holdout_kl_after": best, "train_kl_end": train_kl, "step_kept": best_step,

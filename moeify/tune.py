@@ -217,35 +217,45 @@ def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
 class TuningState:
     """The state directory's snapshots: moeify.distill.distill's `state` (keep / kept / checkpoint)."""
 
-    def __init__(self, root: Path, save_every: float = SAVE_EVERY):
-        self.root, self.save_every = Path(root), save_every
+    def __init__(self, root: Path, save_every: float = SAVE_EVERY, par=None):
+        from .parallel import Parallel
+
+        self.root, self.save_every, self.par = Path(root), save_every, par or Parallel()
         self.stop_requested = False
         self._best: str | None = None
         self._last = time.time()
 
     def keep(self, tensors: dict[str, torch.Tensor], step: int) -> None:
         name = f"best-{step}.safetensors"
-        _atomic_save(tensors, self.root / name)
+        if self.par.main:
+            _atomic_save(tensors, self.root / name)
         self._best = name
 
     def kept(self) -> dict[str, torch.Tensor]:
+        self.par.barrier()  # rank 0 has written it
         return load_file(str(self.root / self._best))
 
     def checkpoint(self, step: int, total: int, snapshot) -> None:
         """Save the run's state when it is due: every save_every seconds, at the last step, on a stop request (and
         then stop). The snapshot file is written first, state.json (which names it) replaced atomically after, and
         only then are older snapshots removed: a kill at any moment leaves one complete state."""
-        if not (self.stop_requested or step == total or time.time() - self._last >= self.save_every):
+        due = self.stop_requested or step == total or time.time() - self._last >= self.save_every
+        if self.par.on:  # rank 0's clock decides, any rank's stop request counts
+            due = self.par.any(due if self.par.main else self.stop_requested)
+            self.stop_requested = self.par.any(self.stop_requested)
+        if not due:
             return
-        tensors, meta = snapshot()
+        tensors, meta = snapshot()  # on every rank: gathering sharded tensors is a collective
         meta["best_file"] = self._best
         name = f"state-{step}.safetensors"
-        _atomic_save(tensors, self.root / name)
-        _atomic_write(self.root / "state.json", json.dumps({"version": STATE_VERSION, "file": name, "meta": meta})
-                      .encode())
-        for f in self.root.glob("*.safetensors"):
-            if f.name.startswith(("state-", "best-")) and f.name not in (name, self._best):
-                f.unlink(missing_ok=True)
+        if self.par.main:
+            _atomic_save(tensors, self.root / name)
+            _atomic_write(self.root / "state.json", json.dumps({"version": STATE_VERSION, "file": name,
+                                                                "meta": meta}).encode())
+            for f in self.root.glob("*.safetensors"):
+                if f.name.startswith(("state-", "best-")) and f.name not in (name, self._best):
+                    f.unlink(missing_ok=True)
+        self.par.barrier()
         self._last = time.time()
         if self.stop_requested and step < total:
             raise TuningInterrupted(step, total)
@@ -359,13 +369,16 @@ def real_windows(src_path: Path, sources, seq: int) -> tuple[torch.Tensor, torch
 
 
 def sampled_windows(teacher, real: torch.Tensor, n_windows: int, seed: int, folder: Path,
-                    progress: Progress | None) -> torch.Tensor:
+                    progress: Progress | None, par=None) -> torch.Tensor:
     """n_windows of the dense model's own continuations of short prompts cut from the real text, sampled
     SAMPLE_BATCH at a time, each batch under its own seed and saved to `folder` as it is done (with the teacher's
     final hidden states at every position, kept from the sampling's forward passes: TeacherTargets), so an
-    interrupted sampling resumes at its next batch with the same text."""
+    interrupted sampling resumes at its next batch with the same text. Across processes, batch b is sampled by
+    rank b mod world (the same text: each batch has its own seed)."""
     from .distill import sample_text
+    from .parallel import Parallel
 
+    par = par or Parallel()
     seq = real.shape[1]
     n_prompt = min(16, seq // 4)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -373,23 +386,20 @@ def sampled_windows(teacher, real: torch.Tensor, n_windows: int, seed: int, fold
     offs = torch.randint(seq - n_prompt + 1, (n_windows,), generator=gen)
     prompts = torch.stack([w[o:o + n_prompt] for w, o in zip(starts, offs)])
     folder.mkdir(exist_ok=True)
-    out = []
     n_batches = -(-n_windows // SAMPLE_BATCH)
-    for b in range(n_batches):
+    for b in range(par.rank, n_batches, par.world):
         f = folder / f"batch-{b:05d}.safetensors"
-        if f.is_file():
-            out.append(load_file(str(f))["windows"])
-        else:
+        if not f.is_file():
             batch = prompts[b * SAMPLE_BATCH:(b + 1) * SAMPLE_BATCH]
             windows, hidden = sample_text(teacher, batch, seq - n_prompt, seed * 100_003 + b, batch=SAMPLE_BATCH,
                                           keep_hidden=True)
             _atomic_save({"windows": windows.contiguous(), "hidden": hidden.contiguous()}, f)
-            out.append(windows)
-            del hidden
+            del windows, hidden
             release_memory()  # the sampling's KV cache
         if progress:
             progress("sampling tuning text", min((b + 1) * SAMPLE_BATCH, n_windows) * seq, n_windows * seq)
-    return torch.cat(out)
+    par.barrier()
+    return torch.cat([load_file(str(folder / f"batch-{b:05d}.safetensors"))["windows"] for b in range(n_batches)])
 
 
 class TeacherTargets:
@@ -410,11 +420,14 @@ class TeacherTargets:
 
 
 def tuning_data(root: Path, src_path: Path, base: BaseOutput, opts: TuneOptions, seq: int, seed: int, teacher,
-                progress: Progress | None) -> tuple[torch.Tensor, torch.Tensor, dict, TeacherTargets | None]:
+                progress: Progress | None, par=None) -> tuple[torch.Tensor, torch.Tensor, dict, TeacherTargets | None]:
     """The run's tuning text, assembled once and saved in the state directory (a resumed run reads it back): every
     window of the real texts, and windows the dense model samples itself (opts.generated of the budget, never
     repeated), a few of each held out for early stopping. Returns (train, held out, description, the teacher's
     targets kept from sampling)."""
+    from .parallel import Parallel
+
+    par = par or Parallel()
     f = root / "data.safetensors"
     if not f.is_file():
         real, held, text = real_windows(src_path, _text_sources(base, opts), seq)
@@ -422,7 +435,7 @@ def tuning_data(root: Path, src_path: Path, base: BaseOutput, opts: TuneOptions,
         n_gen = round(opts.generated * opts.tokens / seq)
         if n_gen:
             n_hold_gen = min(2, max(1, n_gen // 10))
-            sampled = sampled_windows(teacher, real, n_gen + n_hold_gen, seed, root / "sampled", progress)
+            sampled = sampled_windows(teacher, real, n_gen + n_hold_gen, seed, root / "sampled", progress, par)
             train.append(sampled[n_hold_gen:])
             held_parts.append(sampled[:n_hold_gen])
             text["generated"] = {"windows": int(sampled.shape[0]), "held_out": n_hold_gen,
@@ -431,8 +444,10 @@ def tuning_data(root: Path, src_path: Path, base: BaseOutput, opts: TuneOptions,
         train, held_out = torch.cat(train), torch.cat(held_parts)
         if held_out.shape[0] == 0:  # tiny texts: hold out the last training window rather than nothing
             held_out, train = train[-1:], train[:-1]
-        (root / "data.json").write_text(json.dumps(text))
-        _atomic_save({"train": train.contiguous(), "held_out": held_out.contiguous()}, f)
+        if par.main:
+            (root / "data.json").write_text(json.dumps(text))
+            _atomic_save({"train": train.contiguous(), "held_out": held_out.contiguous()}, f)
+        par.barrier()
     data, text = load_file(str(f)), json.loads((root / "data.json").read_text())
     gen = text.get("generated")
     targets = (TeacherTargets(root / "sampled", gen["first_train_window"], gen["held_out"], gen["sample_batch"])
@@ -475,6 +490,18 @@ def build_student(teacher, base: BaseOutput, reader: CheckpointReader, device: s
         student.model.layers[i].mlp = MaskedMoE(gate, up, down, tensors[names[0]].float(), 1.0,
                                                 _partition(entry, cfg).labels(), cfg.top_k, fmt, c).to(device)
     return student, own_attention
+
+
+def gather_student(student) -> None:
+    """After a run across processes: every MaskedMoE's sharded tensors replaced by whole ones (a collective), so the
+    output is written from plain tensors."""
+    from .distill import MaskedMoE
+    from .parallel import full
+
+    for m in student.modules():
+        if isinstance(m, MaskedMoE):
+            for name, p in list(m.named_parameters(recurse=False)):
+                m._parameters[name] = torch.nn.Parameter(full(p.detach()).clone(), requires_grad=False)
 
 
 def _base_layout(reader: CheckpointReader) -> ShardLayout:
@@ -583,11 +610,13 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
     caller set explicitly, must agree with it). restart: discard such a state and start anew."""
     from transformers import AutoModelForCausalLM
 
-    from .distill import DistillSettings, _autocast, distill, share_frozen
+    from .distill import DistillSettings, MaskedMoE, _autocast, distill, share_frozen
     from .families import load_source
+    from .parallel import setup
 
     src, out = Path(src), Path(out)
     root = state_dir(out)
+    par = setup(resolve_device(device))
     if resume and restart:
         raise MoeifyError("--resume and --restart contradict each other", "pass one of them")
     load_source(src)  # a dense llama/mistral checkpoint, or a clear error
@@ -595,8 +624,11 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
         if not (root / "run.json").is_file():
             raise MoeifyError(f"there is no interrupted tuning of {out} to resume (no {root.name}/run.json)",
                               f"start one: moeify tune {src} {out} --tokens N")
-        _lock(root)
         run_info = json.loads((root / "run.json").read_text())
+        if run_info.get("world_size", 1) != par.world:
+            raise MoeifyError(f"{root} was saved by a run across {run_info.get('world_size', 1)} process(es); this "
+                              f"one has {par.world}", "resume with the same number of processes (the token stream "
+                              "is split by rank), or start anew with --restart")
         if run_info.get("version") != STATE_VERSION:
             raise MoeifyError(f"{root} was written by another version of moeify", "start again with --restart")
         base = root / run_info["base"] if run_info["base"] == "carved" else out
@@ -620,11 +652,6 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
             if not restart:
                 raise MoeifyError(f"{out} has an interrupted tuning in {root} ({describe_state(root)})",
                                   f"continue it with: {resume_command(src, out)}; or pass --restart to discard it")
-            _lock(root)
-            keep_carved = base.resolve().parent == root.resolve()
-            for f in root.iterdir():
-                if not (keep_carved and f.name == "carved"):
-                    shutil.rmtree(f) if f.is_dir() else f.unlink()
         if opts is None:
             raise MoeifyError("--tokens is required", "e.g. --tokens 262144")
         opts.validate()
@@ -638,15 +665,28 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
     check_free_space(out, sum(f.stat().st_size for f in base.glob("*.safetensors")), overwrite=True)
     run_index = len(bo.runs)
     seed = opts.seed if opts.seed is not None else cfg.seed + 1000 * run_index
-    if not resume:
-        root.mkdir(parents=True, exist_ok=True)
-        _lock(root)
-        _atomic_write(root / "run.json", json.dumps({
-            "version": STATE_VERSION, "created": time.time(), "source": source_fingerprint(src),
-            "base": "carved" if base.resolve().parent == root.resolve() else "out",
-            "base_fingerprint": base_fingerprint(base), "options": dataclasses.asdict(opts), "seed": seed,
-            "run_index": run_index, "world_size": 1}).encode())
-    dev = resolve_device(device)
+    par.barrier()  # every rank has checked the same files before rank 0 changes them
+    if par.main:
+        if not resume:
+            if restart and root.exists():
+                _lock(root)
+                keep_carved = base.resolve().parent == root.resolve()
+                for f in root.iterdir():
+                    if not (keep_carved and f.name == "carved"):
+                        shutil.rmtree(f) if f.is_dir() else f.unlink()
+            root.mkdir(parents=True, exist_ok=True)
+            _lock(root)
+            _atomic_write(root / "run.json", json.dumps({
+                "version": STATE_VERSION, "created": time.time(), "source": source_fingerprint(src),
+                "base": "carved" if base.resolve().parent == root.resolve() else "out",
+                "base_fingerprint": base_fingerprint(base), "options": dataclasses.asdict(opts), "seed": seed,
+                "run_index": run_index, "world_size": par.world}).encode())
+        else:
+            _lock(root)
+    par.barrier()
+    if not par.main:
+        progress = notify = None  # rank 0 reports
+    dev = par.device
     try:
         teacher = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, local_files_only=True,
                                                        use_safetensors=True, trust_remote_code=False).to(dev).eval()
@@ -654,7 +694,7 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
         raise MoeifyError(f"tuning cannot load {src} ({exc.__class__.__name__})",
                           "tuning needs the source's safetensors weights") from None
     seq = int(bo.report.get("calibration", {}).get("seq_len") or min(cfg.calib_seq_len, teacher.config.max_position_embeddings))
-    train, held, text, targets = tuning_data(root, src, bo, opts, seq, seed, teacher, progress)
+    train, held, text, targets = tuning_data(root, src, bo, opts, seq, seed, teacher, progress, par)
     reader = CheckpointReader(base)
     student, own_attention = build_student(teacher, bo, reader, dev)
     settings = DistillSettings(tokens=opts.tokens, lr=opts.lr, train_router=opts.train_router,
@@ -662,27 +702,42 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
     share_frozen(teacher, student, opts.train_attention,
                  torch.bfloat16 if _autocast(dev, settings.autocast)[1] else None, own_attention=own_attention)
     release_memory()  # the student's copies of what it now shares
-    state = TuningState(root, save_every)
+    if par.on:
+        if opts.train_attention:
+            raise MoeifyError("--tune-attention is not supported across processes yet", "tune in one process")
+        for m in student.modules():
+            if isinstance(m, MaskedMoE):
+                par.shard(m)
+    state = TuningState(root, save_every, par)
     saved = state.load()
     with _stop_on_signal(state, notify):
         info = distill(teacher, student, train, held, settings, progress=progress, state=state, resume=saved,
-                       targets=targets)
+                       targets=targets, par=par)
+    if par.on:
+        gather_student(student)
     info = {"scope": "model", "lr": opts.lr, "seed": seed, "text": text, "resumed": saved is not None,
             "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), **info}
     del teacher
     release_memory()
     report, toml = _updated_report(bo, info, opts.train_router, opts.train_attention)
-    tmp = prepare_output(out, overwrite=True, src=src)
-    try:
-        write_tuned(bo, reader, student, tmp, opts.train_attention, report, toml)
-        reader.close()
-        _check_written(tmp, reader)
-        commit_output(tmp, out)
-    except BaseException:
-        reader.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(root, ignore_errors=True)
+    if par.main:
+        tmp = prepare_output(out, overwrite=True, src=src)
+        try:
+            write_tuned(bo, reader, student, tmp, opts.train_attention, report, toml)
+            reader.close()
+            _check_written(tmp, reader)
+            commit_output(tmp, out)
+        except BaseException:
+            reader.close()
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        shutil.rmtree(root, ignore_errors=True)
+    reader.close()
+    par.barrier()
+    if par.on:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
     return report
 
 
