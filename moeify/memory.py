@@ -56,8 +56,10 @@ class TuneMemory:
 def tuning_memory(*, hidden: int, d_ff: int, n_layers: int, heads: int, kv_heads: int, head_dim: int, vocab: int,
                   tied: bool, experts: int, dense_layers: int = 0, seq: int = 512, micro_windows: int = 1,
                   kl_chunk: int = 256, sample_batch: int = 64, bf16: bool = False, train_attention: bool = False,
-                  device: str = "cpu") -> TuneMemory:
-    """Predicted bytes of each part of a tuning run (see the module docstring)."""
+                  device: str = "cpu", world: int = 1) -> TuneMemory:
+    """Predicted bytes of each part of a tuning run (see the module docstring), per process: across `world`
+    processes (torchrun, moeify.parallel) FSDP2 shards the student's trainable tensors, gradients and Adam moments,
+    while every process holds the whole teacher (not sharded yet) and one window's activations."""
     h, f, L = hidden, d_ff, n_layers
     attn = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2 + 2 * h  # q, o, k, v projections and two norms
     ffn = 3 * h * f
@@ -65,7 +67,7 @@ def tuning_memory(*, hidden: int, d_ff: int, n_layers: int, heads: int, kv_heads
     teacher = 4 * (embed + L * attn) + L * ffn * (2 if bf16 else 4)
     carved = L - dense_layers
     trainable = carved * (ffn + experts * h + 1) + (L * attn if train_attention else 0)
-    student = 4 * 4 * trainable + 4 * dense_layers * ffn
+    student = -(-4 * 4 * trainable // world) + 4 * dense_layers * ffn
     act_bytes = 2 if bf16 else 4
     tokens = seq * micro_windows
     activations = tokens * L * (6 * f + 10 * h) * act_bytes + tokens * h * 4 * 2  # + final hidden and its gradient
