@@ -77,6 +77,7 @@ def assign(p: torch.Tensor, value: torch.Tensor) -> None:
     """Copy a whole tensor into p, which may be a sharded DTensor (each rank keeps its shard)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
+    value = value.reshape(p.shape)  # a state saved when a scalar was 0-dim (the temperature) loads into its (1,)
     with torch.no_grad():
         if isinstance(p, DTensor):
             p.copy_(distribute_tensor(value.to(p.device_mesh.device_type).to(p.dtype), p.device_mesh, p.placements))
@@ -88,6 +89,7 @@ def like(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """value laid out as p is (a DTensor with p's mesh and placements when p is one)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
+    value = value.reshape(p.shape)
     if isinstance(p, DTensor):
         return distribute_tensor(value.to(p.device_mesh.device_type), p.device_mesh, p.placements)
     return value.to(p.device)
