@@ -248,6 +248,8 @@ def convert(
                                                "convert refuses a layout a target cannot run. The presets name all "
                                                "three [default: none: only warnings]."),
     force: bool = typer.Option(False, "--force", help="Write a layout that a --target engine cannot run."),
+    memory_check: bool = typer.Option(True, "--memory-check/--no-memory-check", help="Refuse, before calibrating, a "
+                                      "tuning run whose predicted peak memory exceeds the device's."),
     allow_pickle: bool = typer.Option(False, help="Read pytorch_model*.bin weights when SRC has no safetensors, with "
                                       "torch.load(weights_only=True) (tensors only, no code runs)."),
     allow_nonfinite: bool = typer.Option(False, help="Convert tensors that contain NaN/Inf (with a warning) instead "
@@ -300,7 +302,7 @@ def convert(
             return
         with _progress() as bar:
             on_progress = _stage_callback(bar)
-            report = run_conversion(plan, out, overwrite=overwrite, progress=on_progress)
+            report = run_conversion(plan, out, overwrite=overwrite, progress=on_progress, memory_check=memory_check)
         print_result(tables, report, out)
         if json_dest:
             _write_json(report, json_dest)
@@ -364,6 +366,8 @@ def tune(
     restart: bool = typer.Option(False, "--restart", help="Discard an interrupted run's state and start anew."),
     save_every: float = typer.Option(600.0, "--save-every", metavar="SECONDS", help="Save the run's state this "
                                      "often (also at the end and on Ctrl-C / SIGTERM); 0 = after every step."),
+    memory_check: bool = typer.Option(True, "--memory-check/--no-memory-check", help="Refuse a run whose "
+                                      "predicted peak memory per process exceeds the device's."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Time a few tuning steps and the sampling, measure peak "
                                  "memory, print the estimated time of the run, and write nothing."),
     json_dest: Optional[str] = _json_option("The tuned output's report (--dry-run: the estimate)."),
@@ -407,11 +411,12 @@ def tune(
             return
         if rank:  # a process of a torchrun / accelerate launch other than the first: rank 0 reports
             tune_output(src, out, opts, resume=resume, restart=restart, device=device, save_every=save_every,
-                        given=given if resume else None)
+                        given=given if resume else None, memory_check=memory_check)
             return
         with _progress() as bar:
             report = tune_output(src, out, opts, resume=resume, restart=restart, device=device, save_every=save_every,
                                  progress=_stage_callback(bar), given=given if resume else None,
+                                 memory_check=memory_check,
                                  notify=lambda msg: console.print(f"[yellow]{escape(msg)}[/]", highlight=False))
         print_tuning(_tables(json_dest), report, out=out)
         if json_dest:

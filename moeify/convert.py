@@ -241,7 +241,7 @@ def _scaled(t: torch.Tensor, factor: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def run_conversion(plan: ConversionPlan, out: str | Path, *, overwrite: bool = False,
-                   progress: Progress | None = None) -> dict:
+                   progress: Progress | None = None, memory_check: bool = True) -> dict:
     """Carve every layer and write OUT atomically. Returns the report (also written to OUT/report.json).
 
     With calibration, a first pass runs the calibration tokens through the model layer by layer and carves
@@ -256,6 +256,12 @@ def run_conversion(plan: ConversionPlan, out: str | Path, *, overwrite: bool = F
     check_output_path(out, overwrite, src.path)
     tune = bool(plan.cfg.tune_tokens) and plan.cfg.top_k < plan.cfg.experts
     refuse_leftover_state(out, src.path, overwrite)
+    if tune and memory_check:  # before calibration, not after it
+        from .memory import check_fits
+
+        mem, dev, have = plan.tuning_memory()
+        check_fits(mem, dev, have, src, plan.cfg.experts, len(plan.cfg.dense_layers) or plan.cfg.dense_auto,
+                   min(plan.cfg.calib_seq_len, int(src.raw.get("max_position_embeddings") or plan.cfg.calib_seq_len)))
     spill = src.n_layers * src.hidden * src.d_ff * plan.out_dtype.itemsize if plan.cfg.compensate else 0
     # tuning holds the carve and writes the tuned output beside it
     check_free_space(out, plan.output_bytes * (2 if tune else 1) + spill, overwrite)
@@ -296,7 +302,7 @@ def run_conversion(plan: ConversionPlan, out: str | Path, *, overwrite: bool = F
         del carved
         release_memory()
         report = tune_output(src.path, out, options_from_config(plan.cfg), base=state_dir(out) / "carved",
-                             device=plan.cfg.device, progress=progress)
+                             device=plan.cfg.device, progress=progress, memory_check=False)  # checked above
     return report
 
 

@@ -97,3 +97,34 @@ def device_memory(device: str) -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+GPU_COUNTS = (1, 2, 4, 8)
+
+
+def memory_table(src, experts: int, dense_layers: int = 0, seq: int = 512) -> list[dict]:
+    """Predicted peak per process of tuning, float32 on a CPU and bf16 on GPUs across 1-8 processes (`moeify plan`)."""
+    rows = [{"device": "cpu", "processes": 1,
+             "peak": source_tuning_memory(src, experts, dense_layers, seq=seq, device="cpu").peak}]
+    rows += [{"device": "cuda", "processes": g,
+              "peak": source_tuning_memory(src, experts, dense_layers, seq=seq, bf16=True, device="cuda", world=g).peak}
+             for g in GPU_COUNTS]
+    return rows
+
+
+def check_fits(mem: TuneMemory, device: str, have: int | None, src, experts: int, dense_layers: int = 0,
+               seq: int = 512) -> None:
+    """Refuse a tuning run whose predicted peak per process exceeds the device's memory, naming what would fit."""
+    from .errors import MoeifyError
+
+    if have is None or mem.peak <= have:
+        return
+    fit = [g for g in GPU_COUNTS if source_tuning_memory(src, experts, dense_layers, seq=seq, bf16=True, device="cuda",
+                                                         world=g).peak <= (have if device.startswith("cuda") else 80e9)]
+    hint = (f"run across {fit[0]} GPUs: torchrun --nproc-per-node {fit[0]} -m moeify tune ... (predicted "
+            f"{source_tuning_memory(src, experts, dense_layers, seq=seq, bf16=True, device='cuda', world=fit[0]).peak / 1e9:.0f} "
+            f"GB each{'' if device.startswith('cuda') else ' on 80 GB GPUs'})" if fit else
+            "no layout of up to 8 GPUs fits yet (the teacher is replicated in every process)")
+    raise MoeifyError(f"tuning needs about {mem.peak / 1e9:.1f} GB on {device} (predicted: moeify/memory.py), and "
+                      f"{device} has {have / 1e9:.1f} GB", f"{hint}; or convert with --no-tune; or pass "
+                      "--no-memory-check to try anyway")

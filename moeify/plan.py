@@ -66,7 +66,14 @@ class MoePlan:
             } for r in self.regimes],
             "engines": [{"engine": n.engine, "fails": n.fails, "what": n.what, "fix": n.fix}
                         for n in self.engine_notes()],
+            "tuning_memory": self.tuning_memory(),
         }
+
+    def tuning_memory(self) -> list[dict]:
+        """Predicted peak memory per process of recovery tuning (CPU float32; 1-8 GPUs in bf16 with FSDP2)."""
+        from .memory import memory_table
+
+        return memory_table(self.src, self.experts)
 
     def engine_notes(self):
         """What transformers, vLLM and llama.cpp say of the layout `convert` carves (the inference-saving regime),

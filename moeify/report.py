@@ -280,6 +280,15 @@ def print_moe_plan(console: Console, plan) -> None:
     console.print("[dim]yes: the width is a multiple of the block size (llama.cpp 256; vLLM 128 per GPU, up to the "
                   "TP shown); no: llama.cpp falls back to another quant type, vLLM refuses or uses a slower path[/]")
     print_engine_notes(console, plan.engine_notes())
+    from .memory import memory_table
+
+    mem = memory_table(s, plan.experts)
+    console.print(_table("recovery tuning: predicted peak memory per process (moeify/memory.py)",
+                         ["where"] + [("CPU, float32" if r["device"] == "cpu" else
+                                       f"{r['processes']} GPU{'s' if r['processes'] > 1 else ''}") for r in mem],
+                         [["peak"] + [human_bytes(r["peak"]) for r in mem]]))
+    console.print("[dim]GPUs: bf16 autocast; across GPUs (torchrun) FSDP2 shards the student's state, the teacher is "
+                  "held by every process[/]")
     carve = next(r for r in plan.regimes if r.name == "inference saving")
     _print_serving_advice(console, s.d_ff, plan.experts, plan.shared, padded_width(carve.expert_width))
 

@@ -602,7 +602,7 @@ def _updated_report(base: BaseOutput, run: dict, train_router: bool, train_atten
 def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = None, *, resume: bool = False,
                 restart: bool = False, device: str = "auto", save_every: float = SAVE_EVERY,
                 progress: Progress | None = None, notify: Callable[[str], None] | None = None,
-                base: Path | None = None, given: dict | None = None) -> dict:
+                base: Path | None = None, given: dict | None = None, memory_check: bool = True) -> dict:
     """Tune the moeify output OUT (or `base`, the carve convert has just written) towards its dense source SRC and
     write the result to OUT all or nothing. Returns the new report.json.
 
@@ -663,6 +663,13 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
         raise MoeifyError(f"{base}: every expert is active (top-k {cfg.top_k} of {cfg.experts}): the model is the "
                           "dense one and there is nothing to tune")
     check_free_space(out, sum(f.stat().st_size for f in base.glob("*.safetensors")), overwrite=True)
+    if memory_check:
+        from .families import load_source as _source
+        from .memory import check_fits
+
+        seq0 = int(bo.report.get("calibration", {}).get("seq_len") or cfg.calib_seq_len)
+        check_fits(predicted_memory(src, bo, opts, seq0, par.device, world=par.world), par.device,
+                   device_memory(par.device), _source(src), cfg.experts, len(cfg.dense_layers), seq0)
     run_index = len(bo.runs)
     seed = opts.seed if opts.seed is not None else cfg.seed + 1000 * run_index
     par.barrier()  # every rank has checked the same files before rank 0 changes them
@@ -807,7 +814,7 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
             "device_bytes": device_memory(dev)}
 
 
-def predicted_memory(src: Path, bo: BaseOutput, opts: TuneOptions, seq: int, dev: str, settings=None):
+def predicted_memory(src: Path, bo: BaseOutput, opts: TuneOptions, seq: int, dev: str, settings=None, world: int = 1):
     """moeify.memory's prediction for this run (the config of SRC, the layout of the output)."""
     from .distill import DistillSettings, _autocast
     from .families import load_source
@@ -817,7 +824,7 @@ def predicted_memory(src: Path, bo: BaseOutput, opts: TuneOptions, seq: int, dev
     return source_tuning_memory(load_source(src), bo.cfg.experts, len(bo.cfg.dense_layers), seq=seq,
                                 micro_windows=settings.micro_windows, kl_chunk=settings.kl_chunk,
                                 sample_batch=SAMPLE_BATCH, bf16=_autocast(dev, settings.autocast)[1],
-                                train_attention=opts.train_attention, device=dev)
+                                train_attention=opts.train_attention, device=dev, world=world)
 
 
 def refuse_leftover_state(out: Path, src: Path, overwrite: bool) -> None:

@@ -327,3 +327,39 @@ def test_two_processes_with_fsdp2_train_what_one_process_trains(carved, tmp_path
             assert torch.equal(ta[name], tb[name]), name
     assert worst < 0.05, worst
     assert verify_checkpoint(two, against=dense).problems == []
+
+
+def test_a_run_that_does_not_fit_is_refused_before_any_work(carved, tmp_path, monkeypatch):
+    import moeify.memory as memory_mod
+    import moeify.tune as tune_mod
+
+    dense, carve = carved
+    monkeypatch.setattr(memory_mod, "device_memory", lambda device: 50 * 10**6)  # a 50 MB device
+    monkeypatch.setattr(tune_mod, "device_memory", lambda device: 50 * 10**6)
+    cfg = build_config(**CARVE, tune_tokens=4096)
+    with pytest.raises(MoeifyError, match=r"tuning needs about 0\.\d GB on cpu .* has 0\.1 GB.*--no-memory-check"):
+        run_conversion(plan_conversion(dense, cfg), tmp_path / "moe")
+    assert not any(tmp_path.iterdir())  # refused before calibrating: nothing written
+    out = _copy(carve, tmp_path / "out")
+    with pytest.raises(MoeifyError, match="tuning needs about"):
+        tune_output(dense, out, OPTS)
+    assert not state_dir(out).exists()
+    report = tune_output(dense, out, TuneOptions(tokens=1024, generated=0.25), memory_check=False)
+    assert report["tuning"]["tokens"] == 1024
+
+
+def test_plan_prints_the_tuning_memory(carved):
+    from typer.testing import CliRunner
+
+    from moeify.cli import app
+    from moeify.families import load_source
+    from moeify.memory import source_tuning_memory
+
+    dense, _ = carved
+    res = CliRunner().invoke(app, ["plan", str(dense), "--experts", "4", "--top-k", "2", "--json", "-"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout[res.stdout.index("{"):])["tuning_memory"]
+    assert [(r["device"], r["processes"]) for r in rows] == [("cpu", 1), ("cuda", 1), ("cuda", 2), ("cuda", 4),
+                                                              ("cuda", 8)]
+    assert rows[0]["peak"] == source_tuning_memory(load_source(dense), 4).peak
+    assert rows[1]["peak"] >= rows[2]["peak"] >= rows[4]["peak"]  # sharding the student's state helps
