@@ -1,0 +1,86 @@
+"""Fit quality against tuning tokens and say how many tokens the quality targets need.
+
+    python scripts/fit_tuning_curve.py scripts/tuning_curve_points.json --plot scripts/tuning_curve_fit.png
+
+Model (a principle, not a constant fitted to one text): the excess of the perplexity ratio over the dense model
+decays as a power of the tuning tokens, ratio - 1 = c * tokens^-b (the shape of loss against training tokens in
+the scaling literature, with the dense model as the floor), fitted by least squares on log(ratio - 1) against
+log(tokens) for each preset and text from that preset's end-of-run points. It predicts the tokens at which the
+ratio reaches a target: tokens = (c / (target - 1))^(1 / b). With two or three points per line the exponent is
+uncertain: the prediction is a planning number, re-fitted as points come in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+TARGETS = {"active-50": {"wikitext2": 1.25, "tinyshakespeare": 1.50, "GPL-3": 1.75},
+           "active-25": {"wikitext2": 1.60, "tinyshakespeare": 2.10, "GPL-3": 3.00}}  # issue 23's bars at 1M tokens
+
+
+def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(c, b) of ratio - 1 = c * tokens^-b by least squares in log space."""
+    xs = [math.log(t) for t, _ in points]
+    ys = [math.log(r - 1) for _, r in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    return math.exp(my - slope * mx), -slope
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("points", type=Path)
+    ap.add_argument("--machine", default=None, help="only the points of this machine")
+    ap.add_argument("--plot", type=Path, default=None)
+    args = ap.parse_args()
+    pts = [p for p in json.loads(args.points.read_text())["points"] if args.machine in (None, p["machine"])]
+    lines = {}
+    for p in pts:
+        for text, r in p["ratio"].items():
+            lines.setdefault((p["preset"], text), []).append((p["tokens"], r))
+    print(f"{'preset':10s} {'text':16s} {'points':>6s} {'b':>6s} {'at 1M':>7s} {'target':>7s} {'tokens for target':>18s}")
+    fits = {}
+    for (preset, text), line in sorted(lines.items()):
+        line = sorted(line)
+        if len({t for t, _ in line}) < 2:
+            continue
+        c, b = fit(line)
+        fits[(preset, text)] = (c, b, line)
+        target = TARGETS.get(preset, {}).get(text)
+        need = (c / (target - 1)) ** (1 / b) if target and b > 0 else float("inf")
+        print(f"{preset:10s} {text:16s} {len(line):6d} {b:6.3f} {1 + c * (2**20) ** -b:7.3f} "
+              f"{target or float('nan'):7.2f} {need:18,.0f}")
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
+        for ax, preset in zip(axes, ("active-50", "active-25")):
+            for (pr, text), (c, b, line) in fits.items():
+                if pr != preset:
+                    continue
+                xs = [t for t, _ in line]
+                (h,) = ax.plot(xs, [r for _, r in line], "o", label=f"{text} (b = {b:.2f})")
+                grid = [2 ** (k / 4) for k in range(4 * 15, 4 * 24 + 1)]
+                ax.plot(grid, [1 + c * g ** -b for g in grid], "-", color=h.get_color(), alpha=0.5)
+                target = TARGETS[preset].get(text)
+                if target:
+                    ax.axhline(target, color=h.get_color(), ls=":", alpha=0.6)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{preset}: perplexity ratio to dense vs tuning tokens")
+            ax.set_xlabel("tuning tokens")
+            ax.set_ylabel("perplexity ratio (MoE / dense)")
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=110)
+        print(f"wrote {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
