@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--eval-tokens", type=int, default=8192)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="where the models are scored (float32)")
     ap.add_argument("--label", default="", help="a name for these points (e.g. 'active-50, continued schedules')")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--append", action="store_true", help="add to the points already in --json")
@@ -46,7 +47,7 @@ def main() -> None:
 
     names = [p.parent.name if p.name.endswith(".txt") else p.name for p in args.eval]
     evals = {n: tokens_of(args.dense, p, args.eval_tokens) for n, p in zip(names, args.eval)}
-    dense = AutoModelForCausalLM.from_pretrained(args.dense, dtype=torch.float32).eval()
+    dense = AutoModelForCausalLM.from_pretrained(args.dense, dtype=torch.float32).to(args.device).eval()
     dense_ppl = {n: perplexity(dense, ids, args.seq_len) for n, ids in evals.items()}
     del dense
     results = {"dense": str(args.dense), "eval": {n: str(p) for n, p in zip(names, args.eval)},
@@ -58,7 +59,7 @@ def main() -> None:
     for ckpt in args.checkpoints:
         report = json.loads((ckpt / "report.json").read_text())
         tuning = report.get("tuning", {})
-        model = load_moe(ckpt)
+        model = load_moe(ckpt).to(args.device)
         ppl = {n: perplexity(model, ids, args.seq_len) for n, ids in evals.items()}
         del model
         point = {"label": args.label, "checkpoint": str(ckpt), "tokens": tuning.get("tokens", 0),

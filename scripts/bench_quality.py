@@ -71,7 +71,7 @@ def perplexity(model, ids: torch.Tensor, seq_len: int, batch: int = 8) -> float:
     windows = ids[: n * seq_len].view(n, seq_len)
     nll, count = 0.0, 0
     for s in range(0, n, batch):
-        w = windows[s:s + batch]
+        w = windows[s:s + batch].to(model.device)
         logits = model(w).logits[:, :-1].float()
         nll += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1), reduction="sum").item()
         count += w[:, 1:].numel()

@@ -1,0 +1,30 @@
+"""scripts/bench_gpu.py, the GPU rows' one command, run on the CPU with a tiny model so that it does not rot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import CORPUS, build_dense
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_gpu_runs_every_step_on_cpu(tmp_path, tokenizer_dir):
+    dense = build_dense(tmp_path / "dense", tokenizer_dir, num_hidden_layers=2, intermediate_size=128,
+                        initializer_range=0.3)  # d_ff 128: the presets' 64 slices of 2 neurons
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--device", "cpu", "--quick",
+                          "--model", str(dense), "--work", str(tmp_path / "work"), "--calib", str(CORPUS),
+                          "--eval", str(CORPUS), "--eval-tokens", "1024", "--first-tokens", "1024",
+                          "--curve-tokens", "2048", "--json", str(tmp_path / "gpu.json")],
+                         capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-2000:]
+    out = json.loads((tmp_path / "gpu.json").read_text())
+    assert set(out["carve"]) == {"active-50", "active-25"}
+    tuning = out["tuning"]["smollm2-135m"]
+    assert tuning["tokens_per_second"] > 0 and tuning["predicted"]["peak"] > 0
+    assert [p["tokens"] for p in out["curve"]] == [1024, 2048]
+    assert all(0 < r < 100 for p in out["curve"] for r in p["ratio"].values())  # scored (a random model: any ratio)
+    assert set(out["decode"]) == {"dense", "active-50", "active-25"} and min(out["decode"].values()) > 0
