@@ -363,3 +363,22 @@ def test_plan_prints_the_tuning_memory(carved):
                                                               ("cuda", 8)]
     assert rows[0]["peak"] == source_tuning_memory(load_source(dense), 4).peak
     assert rows[1]["peak"] >= rows[2]["peak"] >= rows[4]["peak"]  # sharding the student's state helps
+
+
+def test_outputs_that_cannot_be_tuned_are_refused_clearly(carved, tmp_path):
+    from conftest import edit_json
+
+    dense, carve = carved
+    exact = tmp_path / "exact"
+    run_conversion(plan_conversion(dense, build_config(experts=4, top_k=4, **CALIB)), exact)
+    with pytest.raises(MoeifyError, match=r"every expert is active \(top-k 4 of 4\).*nothing to tune"):
+        tune_output(dense, exact, OPTS)
+    old = _copy(carve, tmp_path / "old")
+    edit_json(old / "report.json", lambda r: [e.pop("perm") for e in r["layers"]])
+    with pytest.raises(MoeifyError, match="layer 0 has no neuron permutation"):
+        tune_output(dense, old, OPTS)
+    with pytest.raises(MoeifyError, match="--resume and --restart contradict"):
+        tune_output(dense, old, None, resume=True, restart=True)
+    with pytest.raises(MoeifyError, match=r"--tokens must be a positive integer"):
+        tune_output(dense, _copy(carve, tmp_path / "zero"), TuneOptions(tokens=0))
+    assert not any(state_dir(p).exists() for p in (exact, old))
