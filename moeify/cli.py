@@ -210,8 +210,10 @@ def convert(
                                               "towards the dense model's next-token distributions on this many "
                                               "fresh tokens (your --calib text, the bundled broad sample and text "
                                               "the dense model samples itself); teacher and student on --device. "
-                                              "About 4-8 CPU seconds per 1,024 tokens for a 135M model; use a GPU "
-                                              "for 7B+ (0 = off) [default: the preset's, else 0]."),
+                                              "About 7-12 seconds per 1,024 tokens for a 135M model on 2 CPU "
+                                              "cores; use GPUs for 7B+. An interrupted tuning resumes, and a "
+                                              "tuned output tunes further, with `moeify tune` (0 = off) "
+                                              "[default: the preset's, else 0]."),
     no_tune: bool = typer.Option(False, "--no-tune", help="Turn tuning off (a preset's --tune-tokens and "
                                  "--fit-epochs): the training-free carve only."),
     tune_generated: Optional[float] = typer.Option(None, help="Share of the tuning tokens sampled from the dense "
