@@ -275,7 +275,8 @@ def convert(
     try:
         if weight_only and calib:
             raise MoeifyError("--weight-only and --calib contradict each other", "pass one of them")
-        cfg = build_config(preset, default_calib=not weight_only, experts=experts, top_k=top_k, shared=shared,
+        cfg = build_config(preset, default_calib=not weight_only, source=src, experts=experts, top_k=top_k,
+                           shared=shared,
                            method=method, router=router,
                            format=format, dense_layers=dense_layers, gate_tolerance=gate_tolerance, seed=seed,
                            kmeans_iters=kmeans_iters, dtype=dtype, max_shard_size=max_shard_size,
@@ -441,9 +442,15 @@ def tune(
 @app.command("plan")
 def plan_cmd(
     src: Path = typer.Argument(..., help="Dense checkpoint directory, or a config.json file (no weights needed)."),
-    experts: int = typer.Option(8, "--experts", "-n", help="Routed experts per layer."),
-    top_k: int = typer.Option(2, "--top-k", "-k", help="Routed experts active per token."),
-    shared: int = typer.Option(0, "--shared", help="Always-on shared expert, in units of one expert's width."),
+    experts: Optional[int] = typer.Option(None, "--experts", "-n", help="Routed experts per layer [default: the "
+                                          "preset's, else 8]."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", "-k", help="Routed experts active per token [default: the "
+                                        "preset's, else 2]."),
+    shared: Optional[int] = typer.Option(None, "--shared", help="Always-on shared expert, in units of one expert's "
+                                         "width [default: the preset's, else 0]."),
+    preset: Optional[Path] = typer.Option(None, help="A TOML preset (e.g. configs/active-50.toml): plan the layout it "
+                                          "resolves to for this model (its shares of d_ff, the widths quantized "
+                                          "kernels take); --experts/--shared/--top-k override it."),
     expert_width: Optional[int] = typer.Option(None, "--expert-width", help="Add a row for this expert width."),
     json_dest: Optional[str] = _json_option("The numbers of every regime, with serving fit."),
 ) -> None:
@@ -452,12 +459,19 @@ def plan_cmd(
     custom-width regimes, with ratios to the dense model.
 
     Example: moeify plan path/to/Llama-3-8B/config.json --experts 8 --top-k 2
+             moeify plan path/to/Llama-3-8B/config.json --preset configs/active-25.toml
     """
-    from .plan import plan_from_path
+    from .plan import plan_preset, read_source_config, plan_moe
     from .report import print_moe_plan
 
     try:
-        result = plan_from_path(src, experts=experts, top_k=top_k, shared=shared, expert_width=expert_width)
+        source = read_source_config(src)
+        if preset is not None:
+            result = plan_preset(source, preset, experts=experts, shared=shared, top_k=top_k,
+                                 expert_width=expert_width)
+        else:
+            result = plan_moe(source, experts=8 if experts is None else experts, top_k=2 if top_k is None else top_k,
+                              shared=0 if shared is None else shared, expert_width=expert_width)
         print_moe_plan(_tables(json_dest), result)
         if json_dest:
             _write_json(result.to_dict(), json_dest)

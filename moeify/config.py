@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import MoeifyError
+from .layout import Layout, layout_from_table, resolve_into
 
 METHODS = ("contiguous", "random", "gate-cluster", "activation", "coactivation")
 ROUTERS = ("mean-gate", "representative", "fitted")
@@ -63,6 +64,8 @@ class ConvertConfig:
     tune_attention: bool = False  # also train attention projections and RMSNorm weights (written to OUT)
     tune_generated: float = 0.5  # share of the tuning windows sampled from the dense model itself
     tune_text: tuple[str, ...] = ()  # extra tuning text besides --calib and the bundled broad sample
+    # a preset's layout as shares of d_ff (moeify/layout.py): resolved per model into experts/shared/top_k
+    layout: Layout | None = None
 
     @property
     def needs_calibration(self) -> bool:
@@ -90,6 +93,8 @@ class ConvertConfig:
                 raise MoeifyError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.stats, str) or not all(isinstance(f, str) for f in (*self.calib, *self.tune_text)):
             raise MoeifyError(f"calib must be a list of file names and stats a file name, got {self.calib!r}, {self.stats!r}")
+        if self.layout is not None:
+            self.layout.validate()
         if self.experts < 1:
             raise MoeifyError(f"--experts must be ≥ 1, got {self.experts}")
         if self.shared < 0:
@@ -196,18 +201,35 @@ def load_preset(path: str | Path) -> dict:
     for old, new in LEGACY_KEYS.items():  # moeify.toml of outputs written before the rename
         if old in data:
             data.setdefault(new, data.pop(old))
+    if "layout" in data:
+        data["layout"] = layout_from_table(data["layout"], f"preset {path}")
     unknown = sorted(set(data) - known - {"max_shard_size"})
     if unknown:
         raise MoeifyError(f"preset {path} has unknown key(s): {', '.join(unknown)}", f"known keys: {', '.join(sorted(known))}")
     return data
 
 
-def build_config(preset: str | Path | None = None, default_calib: bool = False, **flags) -> ConvertConfig:
+def build_config(preset: str | Path | None = None, default_calib: bool = False, source=None,
+                 **flags) -> ConvertConfig:
     """Merge a preset with flags (flags that are None fall back to the preset, then to the defaults).
     default_calib: calibrate on the bundled sample (BUNDLED_CALIB) when neither preset nor flags name a text
-    (the command line's default; `--weight-only` turns it off)."""
+    (the command line's default; `--weight-only` turns it off).
+    source: the dense checkpoint (directory or config.json) or its d_ff: needed when the preset states its layout
+    as shares ([layout], moeify/layout.py) and the flags do not give every count; the counts are resolved for it."""
     values = load_preset(preset) if preset else {}
     values.update({k: v for k, v in flags.items() if v is not None})
+    if values.get("layout") is not None and any(values.get(k) is None for k in ("experts", "shared", "top_k")):
+        if source is None:
+            raise MoeifyError(f"preset {preset} states its layout as shares of d_ff ([layout]): the expert counts "
+                              "depend on the model", "give the source checkpoint (the command line does), or pass "
+                              "--experts, --shared and --top-k")
+        if isinstance(source, int):
+            d_ff = source
+        else:
+            from .plan import read_source_config
+
+            d_ff = read_source_config(source).d_ff
+        values = resolve_into(values, d_ff)
     if default_calib and not values.get("calib"):
         values["calib"] = (str(BUNDLED_CALIB),)
     if isinstance(values.get("calib"), (str, Path)):
@@ -247,7 +269,12 @@ def config_to_toml(cfg: ConvertConfig, extra: dict | None = None) -> str:
     """Resolved settings as TOML (written to OUT/moeify.toml; usable again as --preset)."""
     lines = []
     for f in dataclasses.fields(cfg):
-        lines.append(f"{f.name} = {_toml_value(getattr(cfg, f.name))}")
+        if f.name != "layout":
+            lines.append(f"{f.name} = {_toml_value(getattr(cfg, f.name))}")
+    if cfg.layout is not None:
+        lines.append("")
+        lines.append("[layout]  # the preset's layout as shares of d_ff; the counts above were resolved from it")
+        lines.extend(f"{f.name} = {_toml_value(getattr(cfg.layout, f.name))}" for f in dataclasses.fields(cfg.layout))
     if extra:
         lines.append("")
         lines.append("[provenance]")

@@ -42,6 +42,7 @@ class MoePlan:
     shared: int
     other_params: int  # everything that is not an FFN: embeddings (+ lm_head), attention, norms
     regimes: list[Regime]
+    layout: object = None  # the preset's Layout (moeify/layout.py) these counts were resolved from, if any
 
     @property
     def dense_params(self) -> int:
@@ -67,6 +68,8 @@ class MoePlan:
             "engines": [{"engine": n.engine, "fails": n.fails, "what": n.what, "fix": n.fix}
                         for n in self.engine_notes()],
             "tuning_memory": self.tuning_memory(),
+            "layout": None if self.layout is None else {**dataclasses.asdict(self.layout),
+                                                        "quanta": list(self.layout.quanta)},
         }
 
     def tuning_memory(self) -> list[dict]:
@@ -168,6 +171,8 @@ class ServingRule:
 
 
 SERVING_RULES = (
+    ServingRule("llama.cpp Q8_0", 32, False, "Q8_0/Q4_0 quantize rows in blocks of 32 and down_proj rows are "
+                "expert-width long; otherwise llama.cpp keeps them in a wider type"),
     ServingRule("llama.cpp K-quants", 256, False, "Q4_K..Q6_K quantize rows in blocks of 256 and down_proj rows are "
                 "expert-width long; otherwise llama.cpp falls back to another type for them"),
     ServingRule("vLLM FP8 block", 128, True, "block-quantized FP8 MoE (128×128 blocks) needs the per-GPU expert "
@@ -205,6 +210,22 @@ def serving_advice(d_ff: int, experts: int, shared: int, width: int) -> list[str
         advice.append(f"×{multiple}: --pad-experts-to {multiple} (+{extra:.0%} weights, zeros)"
                       + (f" or --experts {', '.join(map(str, counts))}" if counts else ""))
     return advice
+
+
+def plan_preset(src: SourceModel, preset: str | Path, *, experts: int | None = None, shared: int | None = None,
+                top_k: int | None = None, expert_width: int | None = None) -> MoePlan:
+    """The plan of the layout a preset gives this model: its [layout] resolved for src.d_ff (flags win), or its
+    counts as written."""
+    from .config import load_preset
+    from .layout import resolve_into
+
+    values = load_preset(preset)
+    values.update({k: v for k, v in (("experts", experts), ("shared", shared), ("top_k", top_k)) if v is not None})
+    if values.get("layout") is not None and any(values.get(k) is None for k in ("experts", "shared", "top_k")):
+        values = resolve_into(values, src.d_ff)
+    plan = plan_moe(src, experts=values.get("experts", 8), top_k=values.get("top_k", 2),
+                    shared=values.get("shared", 0), expert_width=expert_width)
+    return dataclasses.replace(plan, layout=values.get("layout"))
 
 
 def plan_from_path(path: str | Path, **kwargs) -> MoePlan:

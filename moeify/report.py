@@ -121,6 +121,8 @@ def print_plan(console: Console, plan, out: Path) -> None:
     t.add_row("attention", f"{src.heads} heads, {src.kv_heads} kv heads")
     t.add_row("output format", f"{plan.fmt} ({str(plan.out_dtype).removeprefix('torch.')})")
     t.add_row("experts", f"{cfg.experts} routed, top-{cfg.top_k}" + (f", shared width {plan.shared_width}" if cfg.shared else ""))
+    if cfg.layout is not None and cfg.layout.resolved:
+        t.add_row("preset layout", f"{cfg.layout.spec()}; resolved: {cfg.layout.resolved}")
     width = f"{plan.expert_width} neurons (d_ff / {cfg.experts + cfg.shared})"
     if plan.padded_width != plan.expert_width:
         width += f", zero-padded to {plan.padded_width}"
@@ -264,6 +266,9 @@ def print_moe_plan(console: Console, plan) -> None:
                        "FFN\nFLOPs\n/ token", "×\ndense"], rows)
     t.rows[0].style = "dim"
     console.print(t)
+    if plan.layout is not None and plan.layout.resolved:
+        console.print(f"[bold]preset layout:[/] {escape(plan.layout.spec())}\n[bold]resolved:[/] "
+                      f"{escape(plan.layout.resolved)}", highlight=False)
     notes = ["expert width: neurons per routed expert (max capacity d_ff, constant compute d_ff/(k+S), inference saving "
              "d_ff/(N+S), the split `convert` carves)"]
     if plan.shared:

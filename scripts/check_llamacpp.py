@@ -61,13 +61,20 @@ ROWS = {
                                               "--untie-embeddings"],
     "qwen2_moe s1e7k2 calibrated": ["--format", "qwen2_moe", "--shared", "1", "--experts", "7", "--top-k", "2",
                                     "--calib", "{calib}", "--calib-tokens", "16384", "--untie-embeddings"],
-    # the presets' layouts (configs/active-50.toml: Qwen2-MoE, a shared expert of 25% of d_ff + 48 routed top-16;
-    # active-25.toml: shared 12.5% + 56 routed top-8), carved without tuning (llama.cpp runs the layout; tuning
-    # changes values, not tensors), the previous presets' Mixtral layouts, and the previous 50% layout, which aborts
-    "qwen2_moe s16e48k16 active-50 preset, untuned": ["--preset", str(ROOT / "configs/active-50.toml"), "--calib",
-                                                      "{calib}", "--no-tune"],
-    "qwen2_moe s8e56k8 active-25 preset, untuned": ["--preset", str(ROOT / "configs/active-25.toml"), "--calib",
-                                                    "{calib}", "--no-tune"],
+    # the presets' layouts as they resolve for the model (configs/active-50.toml: Qwen2-MoE, a shared expert of 25%
+    # of d_ff + routed experts to 50%; active-25.toml: shared 12.5% + routed to 25%; README "Presets at your model's
+    # shape"), carved without tuning (llama.cpp runs the layout; tuning changes values, not tensors), the earlier
+    # fixed 64-slice preset layouts, the previous presets' Mixtral layouts, and the previous 50% layout, which aborts
+    "qwen2_moe active-50 preset (resolved), untuned": ["--preset", str(ROOT / "configs/active-50.toml"), "--calib",
+                                                       "{calib}", "--no-tune"],
+    "qwen2_moe active-25 preset (resolved), untuned": ["--preset", str(ROOT / "configs/active-25.toml"), "--calib",
+                                                       "{calib}", "--no-tune"],
+    "qwen2_moe s16e48k16 earlier active-50 layout, untuned": ["--preset", str(ROOT / "configs/active-50.toml"),
+                                                              "--experts", "48", "--shared", "16", "--top-k", "16",
+                                                              "--calib", "{calib}", "--no-tune"],
+    "qwen2_moe s8e56k8 earlier active-25 layout, untuned": ["--preset", str(ROOT / "configs/active-25.toml"),
+                                                            "--experts", "56", "--shared", "8", "--top-k", "8",
+                                                            "--calib", "{calib}", "--no-tune"],
     "mixtral e32k16 previous active-50 layout (weight-only)": ["--experts", "32", "--top-k", "16", "--weight-only"],
     "mixtral e64k16 previous active-25 layout (weight-only)": ["--experts", "64", "--top-k", "16", "--weight-only"],
     "mixtral e64k32 previous 50% layout (weight-only)": ["--experts", "64", "--top-k", "32", "--weight-only"],

@@ -177,8 +177,11 @@ def test_serving_fit_of_expert_widths():
     from moeify.plan import friendly_expert_counts, serving_fit
 
     fit = {w: [tp for _, tp in serving_fit(w)] for w in (224, 192, 256, 1792, 3584, 128)}
-    # llama.cpp K-quants (x256, no TP), vLLM FP8 block and int4 Marlin (x128 per GPU: largest TP of 1, 2, 4, 8)
-    assert fit == {224: [0, 0, 0], 192: [0, 0, 0], 256: [1, 2, 2], 1792: [1, 2, 2], 3584: [1, 4, 4], 128: [0, 1, 1]}
+    # llama.cpp Q8_0 (x32) and K-quants (x256, no TP), vLLM FP8 block and int4 Marlin (x128 per GPU: largest TP of
+    # 1, 2, 4, 8)
+    assert fit == {224: [1, 0, 0, 0], 192: [1, 0, 0, 0], 256: [1, 1, 2, 2], 1792: [1, 1, 2, 2], 3584: [1, 1, 4, 4],
+                   128: [1, 0, 1, 1]}
+    assert [tp for _, tp in serving_fit(24)] == [0, 0, 0, 0]  # SmolLM2's d_ff / 64
     assert friendly_expert_counts(1536, 0, 128) == [2, 3, 4, 6, 12]  # SmolLM2: 1536 / 8 = 192 fits nothing
     assert friendly_expert_counts(14336, 0, 256) == [2, 4, 7, 8, 14, 28, 56]
     assert friendly_expert_counts(1536, 1, 128) == [2, 3, 5, 11]  # with a shared expert: d_ff / (N + 1)
@@ -192,8 +195,8 @@ def test_plan_names_serving_formats_and_fits_80_columns(llama3_config, tmp_path)
     advice = [ln for ln in lines if ln.startswith("  ×")]
     assert all(len(ln) <= 80 for ln in lines if ln not in advice), "\n".join(lines)
     rows = {ln.split()[0]: ln.split()[1:] for ln in lines if ln.split() and ln.split()[0].isdigit()}
-    assert rows["224"] == ["no", "no", "no"] and rows["1792"] == ["yes", "TP", "≤", "2", "TP", "≤", "2"]
-    assert rows["14336"] == ["yes", "TP", "≤", "8", "TP", "≤", "8"]
+    assert rows["224"] == ["yes", "no", "no", "no"] and rows["1792"] == ["yes", "yes", "TP", "≤", "2", "TP", "≤", "2"]
+    assert rows["14336"] == ["yes", "yes", "TP", "≤", "8", "TP", "≤", "8"]
     assert any(ln.startswith("inference saving") and ln.split()[2] == "224" for ln in lines)
     assert advice == ["  ×128: --pad-experts-to 128 (+14% weights, zeros) or --experts 16, 28, 56, 112",
                       "  ×256: --pad-experts-to 256 (+14% weights, zeros) or --experts 8, 14, 28, 56"]
@@ -201,7 +204,7 @@ def test_plan_names_serving_formats_and_fits_80_columns(llama3_config, tmp_path)
     assert res.exit_code == 0 and f"wrote {tmp_path / 'p.json'}" in " ".join(res.stderr.split())
     regimes = json.loads((tmp_path / "p.json").read_text())["regimes"]
     assert regimes[2]["expert_width"] == 224
-    assert regimes[2]["serving"] == {"llama.cpp K-quants": 0, "vLLM FP8 block": 0, "vLLM int4 Marlin": 0}
+    assert regimes[2]["serving"] == {"llama.cpp Q8_0": 1, "llama.cpp K-quants": 0, "vLLM FP8 block": 0, "vLLM int4 Marlin": 0}
 
 
 def test_dry_run_serving_fit_padding_and_json(tmp_path):
@@ -228,7 +231,7 @@ def test_dry_run_serving_fit_padding_and_json(tmp_path):
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
     assert data["expert_width"] == 192 and data["padded_expert_width"] == 256 and data["settings"]["pad_experts_to"] == 256
-    assert data["serving"] == {"llama.cpp K-quants": 1, "vLLM FP8 block": 2, "vLLM int4 Marlin": 2}
+    assert data["serving"] == {"llama.cpp Q8_0": 1, "llama.cpp K-quants": 1, "vLLM FP8 block": 2, "vLLM int4 Marlin": 2}
     assert data["output_bytes"] == padded.output_bytes and "nothing written" in res.stderr
     assert not (tmp_path / "out").exists()
 
@@ -299,11 +302,12 @@ def test_presets_name_every_engine_and_every_engine_runs_them(tmp_path, tokenize
     for preset in presets:
         data = load_preset(preset)
         assert set(data["targets"]) == set(ENGINES), preset
-        assert data["top_k"] <= LLAMACPP_MAX_TOPK, preset
+        assert data["layout"].max_top_k <= LLAMACPP_MAX_TOPK, preset  # counts resolved per model (test_layout.py)
         assert data["tune_tokens"] > 0, preset
         res = CliRunner().invoke(app, ["convert", str(src), str(tmp_path / "out"), "--preset", str(preset),
                                        "--dry-run", "--json", "-"])
         assert res.exit_code == 0, res.output
         plan = json.loads(res.stdout)
+        assert plan["settings"]["top_k"] <= LLAMACPP_MAX_TOPK
         assert not [e for e in plan["engines"] if e["fails"]], (preset, plan["engines"])
         assert not (tmp_path / "out").exists()

@@ -1,0 +1,136 @@
+"""Presets stated as shares of d_ff (moeify/layout.py), resolved per model into counts whose expert widths the
+quantized kernels take: the shapes users carve, explicit flags winning, errors, moeify.toml round trip, CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import build_dense
+from moeify.cli import app
+from moeify.config import build_config, config_to_toml, load_preset
+from moeify.errors import MoeifyError
+from moeify.layout import Layout, resolve_layout
+
+PRESETS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.toml"))
+# d_ff of the shapes people carve: Llama-3.2-1B/3B and SmolLM2-1.7B; Llama-2-7B; Llama-2-13B; Llama-3-8B, Mistral-7B,
+# Mistral-Nemo; Llama-3-70B
+USER_SHAPES = (8192, 11008, 13824, 14336, 28672)
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
+def test_presets_resolve_to_quantizable_widths_at_users_shapes(preset):
+    """Issue target: every preset, at d_ff 8,192 / 11,008 / 14,336 / 28,672 (and 13,824), has expert widths that are
+    multiples of 256 without padding, top-k ≤ 16 and the stated active share ± 2 points; SmolLM2's 1,536 resolves to
+    48 slices of 32 (Q8_0), not today's 64 slices of 24."""
+    layout = load_preset(preset)["layout"]
+    for d_ff in USER_SHAPES:
+        c = resolve_layout(layout, d_ff).chosen
+        assert c.width * c.slices == d_ff and c.width % 256 == 0, (d_ff, c)
+        assert 1 <= c.top_k <= 16 and c.experts + c.shared == c.slices
+        assert abs(c.active - layout.active) <= 0.02 + 1e-9, (d_ff, c)
+        assert abs(c.shared / c.slices - layout.shared) <= 0.5 / c.slices + 1e-9
+        assert 32 <= c.slices <= 128
+    c = resolve_layout(layout, 1536).chosen
+    assert (c.slices, c.width, c.active) == (48, 32, layout.active)
+
+
+def test_resolution_rules_by_hand():
+    half = Layout(active=0.5, shared=0.25)
+    # 14,336 = 2^11 * 7: 56 x 256 (the 256-wide count nearest 64; 64 x 224 fits no quantized kernel)
+    r = resolve_layout(half, 14336)
+    assert r.counts() == {"experts": 42, "shared": 14, "top_k": 14} and r.chosen.width == 256
+    assert "14,336 = 56 × 256" in r.why and "multiple of 256" in r.why
+    # 8,192: 32 x 256 beats the nearer 64 x 128 (a quantum before granularity, within x2 of 64)
+    assert resolve_layout(half, 8192).counts() == {"experts": 24, "shared": 8, "top_k": 8}
+    # 11,008 = 43 x 256: an odd count; 22 of 43 slices active = 51.2%, within the 2-point tolerance
+    r = resolve_layout(half, 11008)
+    assert r.chosen.slices == 43 and r.chosen.top_k + r.chosen.shared == 22
+    # 86 x 128 would need top-22 > 16: never chosen; a preset asking for top-k <= 8 gets coarser slices
+    assert resolve_layout(Layout(0.5, 0.25, max_top_k=8), 14336).chosen.top_k <= 8
+    # a d_ff no count near 64 divides into multiples of 32: the nearest count to 64 still, and the reason says so
+    r = resolve_layout(half, 128)
+    assert r.chosen.slices == 64 and r.chosen.quantum == 0 and "no slice count near 64" in r.why
+
+
+def test_explicit_counts_win():
+    half = Layout(active=0.5, shared=0.25)
+    r = resolve_layout(half, 14336, experts=48, shared=16, top_k=16)  # today's 64-slice layout, pinned
+    assert r.counts() == {"experts": 48, "shared": 16, "top_k": 16} and r.chosen.width == 224
+    assert "given" in r.why
+    r = resolve_layout(half, 14336, top_k=8)  # only top-k given: the share decides the rest
+    assert r.chosen.top_k == 8 and abs(r.chosen.active - 0.5) < 1e-9
+    with pytest.raises(MoeifyError, match="no expert layout gives 50% active"):
+        resolve_layout(half, 14336, experts=5, shared=4)  # 9 slices do not divide 14,336
+
+
+def test_preset_without_source_and_bad_layout_tables(tmp_path):
+    with pytest.raises(MoeifyError, match=r"states its layout as shares of d_ff") as exc:
+        build_config(PRESETS[0])
+    assert "--experts, --shared and --top-k" in exc.value.hint
+    assert build_config(PRESETS[0], experts=48, shared=16, top_k=16, calib=["x.txt"]).experts == 48  # no source needed
+    bad = tmp_path / "bad.toml"
+    for table, message in (("active = 1.5", "active must be a share in"), ("active = 0.5\nshared = 0.6", "shared must be"),
+                           ("active = 0.5\nslice = 64", "unknown key\\(s\\): slice"), ("shared = 0.2", "needs active"),
+                           ("active = 0.5\nquanta = []", "quanta must be")):
+        bad.write_text(f"top_k = 2\n[layout]\n{table}\n")
+        with pytest.raises(MoeifyError, match=message) as exc:
+            load_preset(bad)
+        assert str(bad) in exc.value.what
+
+
+def test_resolved_counts_and_reason_round_trip_through_moeify_toml(tmp_path):
+    """OUT/moeify.toml records the resolved counts and the [layout] with the reason; used again as a preset it gives
+    the same settings without resolving (the counts in it win), whatever model it is applied to."""
+    cfg = build_config(PRESETS[0], source=14336, calib=["x.txt"])
+    assert cfg.layout.resolved.startswith("d_ff 14,336 = 56 × 256")
+    toml = tmp_path / "moeify.toml"
+    toml.write_text(config_to_toml(cfg, {"source": "somewhere"}))
+    assert "[layout]" in toml.read_text() and "resolved = " in toml.read_text()
+    again = build_config(toml)
+    assert again == cfg and again.experts + again.shared == 56
+
+
+def test_convert_dry_run_and_plan_print_the_resolution(tmp_path, tokenizer_dir):
+    src = build_dense(tmp_path / "dense", tokenizer_dir, intermediate_size=1536)
+    preset = str(next(p for p in PRESETS if p.stem == "active-25"))
+    res = CliRunner().invoke(app, ["convert", str(src), str(tmp_path / "out"), "--preset", preset, "--dry-run",
+                                   "--json", "-"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout)
+    s = plan["settings"]
+    assert (s["experts"], s["shared"], s["top_k"], plan["expert_width"]) == (42, 6, 6, 32)
+    assert s["layout"]["resolved"].startswith("d_ff 1,536 = 48 × 32")
+    res = CliRunner().invoke(app, ["convert", str(src), str(tmp_path / "out"), "--preset", preset, "--dry-run",
+                                   "--experts", "56", "--shared", "8", "--top-k", "8"])
+    assert res.exit_code == 0 and "56 routed, top-8" in " ".join(res.output.split())
+    res = CliRunner().invoke(app, ["plan", str(src / "config.json"), "--preset", preset, "--json", str(tmp_path / "p.json")])
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.stdout.split())
+    assert "resolved: d_ff 1,536 = 48 × 32: shared 6 + top-6 of 42 routed = 25.0% active" in text
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert (data["experts"], data["shared"], data["top_k"]) == (42, 6, 6) and data["layout"]["active"] == 0.25
+    assert not (tmp_path / "out").exists()
+
+
+def test_readme_layout_table_is_what_plan_says():
+    """README's table of the presets at common shapes is generated from `moeify plan --preset`
+    (scripts/preset_layouts.py); a change to the presets or the resolution that is not regenerated fails here."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("preset_layouts", root / "scripts" / "preset_layouts.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = mod.plan_rows()
+    table = mod.markdown(rows)
+    assert mod.readme_table((root / "README.md").read_text()) == table
+    eight_b = [r for r in rows if r["model"] == "Llama-3/3.1-8B"]
+    assert {r["preset"]: (r["shared"], r["top_k"], r["experts"], r["width"]) for r in eight_b} == \
+        {"active-50": (14, 14, 42, 256), "active-25": (7, 7, 49, 256)}
+    assert all(r["serving"]["llama.cpp K-quants"] for r in rows if r["d_ff"] >= 8192)
+    # plan's budget: half the FFN (5.64B) plus everything else (2.39B) of 8.03B is active at 50%
+    assert 0.64 < eight_b[0]["active_params"] < 0.66
