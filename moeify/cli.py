@@ -371,6 +371,10 @@ def tune(
                                      "often (also at the end and on Ctrl-C / SIGTERM); 0 = after every step."),
     memory_check: bool = typer.Option(True, "--memory-check/--no-memory-check", help="Refuse a run whose "
                                       "predicted peak memory per process exceeds the device's."),
+    offload: Optional[bool] = typer.Option(None, "--offload/--no-offload", help="Keep the student's trainable "
+                                           "weights, gradients and Adam state in host memory (FSDP2 CPU offload; "
+                                           "the GPU holds a layer or two at a time): an 8B model's tuning on one "
+                                           "80 GB GPU [default: when the GPU is too small otherwise]."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Time a few tuning steps and the sampling, measure peak "
                                  "memory, print the estimated time of the run, and write nothing."),
     json_dest: Optional[str] = _json_option("The tuned output's report (--dry-run: the estimate)."),
@@ -414,12 +418,12 @@ def tune(
             return
         if rank:  # a process of a torchrun / accelerate launch other than the first: rank 0 reports
             tune_output(src, out, opts, resume=resume, restart=restart, device=device, save_every=save_every,
-                        given=given if resume else None, memory_check=memory_check)
+                        given=given if resume else None, memory_check=memory_check, offload=offload)
             return
         with _progress() as bar:
             report = tune_output(src, out, opts, resume=resume, restart=restart, device=device, save_every=save_every,
                                  progress=_stage_callback(bar), given=given if resume else None,
-                                 memory_check=memory_check,
+                                 memory_check=memory_check, offload=offload,
                                  notify=lambda msg: console.print(f"[yellow]{escape(msg)}[/]", highlight=False))
         print_tuning(_tables(json_dest), report, out=out)
         if json_dest:

@@ -15,6 +15,9 @@ What `moeify/tune.py` holds while it tunes (moeify.distill; every term is a tens
 - the sampling of tuning text, before the student exists: the teacher, its KV cache for a batch of windows (float32:
   2 · layers · kv_heads · head_dim values per token) and the kept final hidden states;
 - a process baseline (the Python runtime, torch and transformers, the tokenizer): measured, about 0.5 GB on CPU.
+With offload (FSDP2 CPU offload, a GPU run) the student's tensors, gradients and Adam moments move to host memory
+(`host`), and the GPU holds the weights and gradients of about two carved layers at a time (the one computing and
+the one FSDP2 fetches next), in float32.
 The prediction is the larger of the sampling and tuning phases. scripts/bench_memory.py holds it against the measured
 peak (RSS on CPU, torch.cuda.max_memory_allocated on a GPU); BENCHMARKS.md "Tuning memory" has the numbers.
 """
@@ -34,6 +37,7 @@ class TuneMemory:
     kl: int
     sampling: int  # KV cache and kept hidden states of one sampling batch
     baseline: int
+    host: int = 0  # host memory of an offloaded run (the student's state), besides the device's peak
 
     @property
     def tuning_peak(self) -> int:
@@ -50,16 +54,17 @@ class TuneMemory:
     def to_dict(self) -> dict:
         return {"teacher": self.teacher, "student": self.student, "activations": self.activations, "kl": self.kl,
                 "sampling": self.sampling, "baseline": self.baseline, "tuning_peak": self.tuning_peak,
-                "sampling_peak": self.sampling_peak, "peak": self.peak}
+                "sampling_peak": self.sampling_peak, "peak": self.peak, "host": self.host}
 
 
 def tuning_memory(*, hidden: int, d_ff: int, n_layers: int, heads: int, kv_heads: int, head_dim: int, vocab: int,
                   tied: bool, experts: int, dense_layers: int = 0, seq: int = 512, micro_windows: int = 1,
                   kl_chunk: int = 256, sample_batch: int = 64, bf16: bool = False, train_attention: bool = False,
-                  device: str = "cpu", world: int = 1) -> TuneMemory:
+                  device: str = "cpu", world: int = 1, offload: bool = False) -> TuneMemory:
     """Predicted bytes of each part of a tuning run (see the module docstring), per process: across `world`
     processes (torchrun, moeify.parallel) FSDP2 shards the student's trainable tensors, gradients and Adam moments,
-    while every process holds the whole teacher (not sharded yet) and one window's activations."""
+    while every process holds the whole teacher (not sharded yet) and one window's activations. offload (a GPU
+    run): the student's state in host memory instead (TuneMemory.host)."""
     h, f, L = hidden, d_ff, n_layers
     attn = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2 + 2 * h  # q, o, k, v projections and two norms
     ffn = 3 * h * f
@@ -68,12 +73,16 @@ def tuning_memory(*, hidden: int, d_ff: int, n_layers: int, heads: int, kv_heads
     carved = L - dense_layers
     trainable = carved * (ffn + experts * h + 1) + (L * attn if train_attention else 0)
     student = -(-4 * 4 * trainable // world) + 4 * dense_layers * ffn
+    host = 0
+    if offload and device != "cpu":  # on a CPU the "host" is the device: nothing moves
+        host = student - 4 * dense_layers * ffn
+        student = 2 * 2 * 4 * (ffn + experts * h + 1) + 4 * dense_layers * ffn
     act_bytes = 2 if bf16 else 4
     tokens = seq * micro_windows
     activations = tokens * L * (6 * f + 10 * h) * act_bytes + tokens * h * 4 * 2  # + final hidden and its gradient
     kl = 4 * kl_chunk * vocab * 4 + (vocab * h * 2 if bf16 else 0)  # + the head's bf16 copy for the gradient
     sampling = sample_batch * seq * (L * 2 * kv_heads * head_dim * 4 + h * 4) + sample_batch * vocab * 4 * 2
-    return TuneMemory(teacher, student, activations, kl, sampling, CPU_BASELINE if device == "cpu" else 0)
+    return TuneMemory(teacher, student, activations, kl, sampling, CPU_BASELINE if device == "cpu" else 0, host)
 
 
 def source_tuning_memory(src, experts: int, dense_layers: int = 0, **kw) -> TuneMemory:
@@ -106,10 +115,17 @@ def memory_table(src, experts: int, dense_layers: int = 0, seq: int = 512) -> li
     """Predicted peak per process of tuning, float32 on a CPU and bf16 on GPUs across 1-8 processes (`moeify plan`)."""
     rows = [{"device": "cpu", "processes": 1,
              "peak": source_tuning_memory(src, experts, dense_layers, seq=seq, device="cpu").peak}]
-    rows += [{"device": "cuda", "processes": g,
+    rows += [{"device": "cuda", "processes": g, "offload": False,
               "peak": source_tuning_memory(src, experts, dense_layers, seq=seq, bf16=True, device="cuda", world=g).peak}
              for g in GPU_COUNTS]
+    off = source_tuning_memory(src, experts, dense_layers, seq=seq, bf16=True, device="cuda", offload=True)
+    rows.insert(2, {"device": "cuda", "processes": 1, "offload": True, "peak": off.peak, "host": off.host})
     return rows
+
+
+def fits(mem: TuneMemory, have: int | None, host_have: int | None) -> bool:
+    """Whether a prediction fits the device's memory (and, offloaded, the host's)."""
+    return (have is None or mem.peak <= have) and (host_have is None or mem.host <= host_have)
 
 
 def check_fits(mem: TuneMemory, device: str, have: int | None, src, experts: int, dense_layers: int = 0,
@@ -117,14 +133,37 @@ def check_fits(mem: TuneMemory, device: str, have: int | None, src, experts: int
     """Refuse a tuning run whose predicted peak per process exceeds the device's memory, naming what would fit."""
     from .errors import MoeifyError
 
-    if have is None or mem.peak <= have:
+    host_have = device_memory("cpu") if mem.host else None
+    if fits(mem, have, host_have):
         return
+    if have is not None and mem.peak <= have:
+        raise MoeifyError(f"offloaded tuning needs about {mem.host / 1e9:.1f} GB of host memory for the student's "
+                          f"state (predicted: moeify/memory.py), and this machine has {host_have / 1e9:.1f} GB",
+                          "run across GPUs with torchrun (the state is sharded), or pass --no-memory-check to try "
+                          "anyway")
     fit = [g for g in GPU_COUNTS if source_tuning_memory(src, experts, dense_layers, seq=seq, bf16=True, device="cuda",
                                                          world=g).peak <= (have if device.startswith("cuda") else 80e9)]
     hint = (f"run across {fit[0]} GPUs: torchrun --nproc-per-node {fit[0]} -m moeify tune ... (predicted "
             f"{source_tuning_memory(src, experts, dense_layers, seq=seq, bf16=True, device='cuda', world=fit[0]).peak / 1e9:.0f} "
             f"GB each{'' if device.startswith('cuda') else ' on 80 GB GPUs'})" if fit else
             "no layout of up to 8 GPUs fits yet (the teacher is replicated in every process)")
+    if device.startswith("cuda") and not mem.host:
+        off = source_tuning_memory(src, experts, dense_layers, seq=seq, bf16=True, device="cuda", offload=True)
+        if fits(off, have, device_memory("cpu")):
+            hint = (f"pass --offload (the student's state in host memory: {off.peak / 1e9:.0f} GB on the GPU, "
+                    f"{off.host / 1e9:.0f} GB host), or {hint}")
     raise MoeifyError(f"tuning needs about {mem.peak / 1e9:.1f} GB on {device} (predicted: moeify/memory.py), and "
                       f"{device} has {have / 1e9:.1f} GB", f"{hint}; or convert with --no-tune; or pass "
                       "--no-memory-check to try anyway")
+
+
+def choose_offload(src, experts: int, dense_layers: int, device: str, have: int | None, world: int = 1,
+                   **kw) -> bool:
+    """auto: offload on a GPU when the run does not fit it as it is and fits it offloaded (host memory permitting)."""
+    if not device.startswith("cuda") or have is None:
+        return False
+    plain = source_tuning_memory(src, experts, dense_layers, device=device, world=world, **kw)
+    if plain.peak <= have:
+        return False
+    return fits(source_tuning_memory(src, experts, dense_layers, device=device, world=world, offload=True, **kw),
+                have, device_memory("cpu"))

@@ -8,6 +8,12 @@ forward and backward and reduce-scatters the gradients). Each optimizer step's w
 is the one-process gradient. Rank 0 writes files (run state, the tuned output); collectives keep the ranks in step.
 The backend is NCCL on GPUs (one per process, LOCAL_RANK) and gloo on CPUs. Nothing here moves data by hand: the
 only collectives are FSDP2's own, metric averages, a barrier and broadcasts of rank 0's decisions.
+
+Offload (`moeify tune --offload`, chosen automatically when the memory model says the GPU is too small otherwise):
+FSDP2's CPUOffloadPolicy keeps the student's trainable tensors, their gradients and Adam's moments in host memory
+(the optimizer steps there) and brings each layer's weights to the GPU only for its forward and backward. In one
+process it runs FSDP2 over a one-process group. On a CPU it changes nothing but the code path (tested in CI so the
+path does not rot; pinned memory needs an accelerator, so it is pinned only on GPUs).
 """
 
 from __future__ import annotations
@@ -25,10 +31,17 @@ class Parallel:
     rank: int = 0
     device: str = "cpu"
     mesh: object = None
+    offload: bool = False  # FSDP2 CPU offload of the sharded (trainable) tensors, their gradients and optimizer state
+    own_group: bool = False  # this process created a one-process group for offload (destroyed by close())
 
     @property
     def on(self) -> bool:
         return self.world > 1
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the student's MaskedMoEs go through FSDP2 (across processes, or for offload in one)."""
+        return self.mesh is not None
 
     @property
     def main(self) -> bool:
@@ -59,18 +72,31 @@ class Parallel:
         return self.device if self.device.startswith("cuda") else "cpu"
 
     def shard(self, module: torch.nn.Module) -> None:
-        """FSDP2 over all ranks for this module's parameters (no-op in one process)."""
-        if self.on:
-            from torch.distributed.fsdp import fully_shard
+        """FSDP2 over all ranks for this module's parameters, offloaded to host memory with offload (no-op in one
+        process without offload)."""
+        if self.mesh is not None:
+            from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-            fully_shard(module, mesh=self.mesh)
+            policy = CPUOffloadPolicy(pin_memory=self.device.startswith("cuda")) if self.offload else OffloadPolicy()
+            fully_shard(module, mesh=self.mesh, offload_policy=policy)
+
+    def close(self) -> None:
+        """Leave the process group (the end of a run)."""
+        if self.mesh is not None and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a sharded DTensor (a collective: every rank must call it), or the tensor itself."""
     from torch.distributed.tensor import DTensor
 
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    if not isinstance(t, DTensor):
+        return t
+    local = t.to_local()
+    if local.device.type != t.device_mesh.device_type:  # offloaded: the collective runs on the mesh's device
+        t = DTensor.from_local(local.to(t.device_mesh.device_type), t.device_mesh, t.placements, run_check=False,
+                               shape=t.shape, stride=t.stride())
+    return t.full_tensor()
 
 
 def assign(p: torch.Tensor, value: torch.Tensor) -> None:
@@ -79,8 +105,9 @@ def assign(p: torch.Tensor, value: torch.Tensor) -> None:
 
     value = value.reshape(p.shape)  # a state saved when a scalar was 0-dim (the temperature) loads into its (1,)
     with torch.no_grad():
-        if isinstance(p, DTensor):
-            p.copy_(distribute_tensor(value.to(p.device_mesh.device_type).to(p.dtype), p.device_mesh, p.placements))
+        if isinstance(p, DTensor):  # this rank's shard, wherever it lives (the GPU, or host memory when offloaded)
+            d = distribute_tensor(value.to(p.device_mesh.device_type).to(p.dtype), p.device_mesh, p.placements)
+            p.to_local().copy_(d.to_local())
         else:
             p.copy_(value.to(p.device))
 
@@ -91,8 +118,25 @@ def like(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 
     value = value.reshape(p.shape)
     if isinstance(p, DTensor):
-        return distribute_tensor(value.to(p.device_mesh.device_type), p.device_mesh, p.placements)
+        d = distribute_tensor(value.to(p.device_mesh.device_type), p.device_mesh, p.placements)
+        local = d.to_local().to(p.to_local().device)  # beside p's shard (host memory when offloaded)
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride())
     return value.to(p.device)
+
+
+def with_offload(par: Parallel) -> Parallel:
+    """par with FSDP2 CPU offload on; in one process, over a one-process group this process creates."""
+    if par.mesh is not None:
+        return Parallel(par.world, par.rank, par.device, par.mesh, True, par.own_group)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cuda = par.device.startswith("cuda")
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mesh = init_device_mesh("cuda" if cuda else "cpu", (1,))
+    return Parallel(1, 0, par.device, mesh, True, own)
 
 
 def setup(device: str) -> Parallel:

@@ -289,11 +289,13 @@ def print_moe_plan(console: Console, plan) -> None:
 
     mem = memory_table(s, plan.experts)
     console.print(_table("recovery tuning: predicted peak memory per process (moeify/memory.py)",
-                         ["where"] + [("CPU, float32" if r["device"] == "cpu" else
-                                       f"{r['processes']} GPU{'s' if r['processes'] > 1 else ''}") for r in mem],
-                         [["peak"] + [human_bytes(r["peak"]) for r in mem]]))
+                         ["where"] + [("CPU\nfloat32" if r["device"] == "cpu" else
+                                       f"{r['processes']} GPU{'s' if r['processes'] > 1 else ''}"
+                                       + ("\noffload" if r.get("offload") else "")) for r in mem],
+                         [["peak"] + [human_bytes(r["peak"]) for r in mem],
+                          ["+ host"] + [human_bytes(r["host"]) if r.get("host") else "" for r in mem]]))
     console.print("[dim]GPUs: bf16 autocast; across GPUs (torchrun) FSDP2 shards the student's state, the teacher is "
-                  "held by every process[/]")
+                  "held by every process; offload (--offload): the student's state in host memory[/]")
     carve = next(r for r in plan.regimes if r.name == "inference saving")
     _print_serving_advice(console, s.d_ff, plan.experts, plan.shared, padded_width(carve.expert_width))
 

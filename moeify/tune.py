@@ -602,10 +602,13 @@ def _updated_report(base: BaseOutput, run: dict, train_router: bool, train_atten
 def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = None, *, resume: bool = False,
                 restart: bool = False, device: str = "auto", save_every: float = SAVE_EVERY,
                 progress: Progress | None = None, notify: Callable[[str], None] | None = None,
-                base: Path | None = None, given: dict | None = None, memory_check: bool = True) -> dict:
+                base: Path | None = None, given: dict | None = None, memory_check: bool = True,
+                offload: bool | None = None) -> dict:
     """Tune the moeify output OUT (or `base`, the carve convert has just written) towards its dense source SRC and
     write the result to OUT all or nothing. Returns the new report.json.
 
+    offload: keep the student's trainable tensors, gradients and optimizer state in host memory (FSDP2 CPU offload;
+    moeify.parallel); None: when the GPU is too small otherwise and the offloaded run fits (moeify.memory).
     resume: continue the interrupted run saved in OUT.moeify-tune (opts None: its own; `given`, the options the
     caller set explicitly, must agree with it). restart: discard such a state and start anew."""
     from transformers import AutoModelForCausalLM
@@ -663,13 +666,23 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
         raise MoeifyError(f"{base}: every expert is active (top-k {cfg.top_k} of {cfg.experts}): the model is the "
                           "dense one and there is nothing to tune")
     check_free_space(out, sum(f.stat().st_size for f in base.glob("*.safetensors")), overwrite=True)
+    seq0 = int(bo.report.get("calibration", {}).get("seq_len") or cfg.calib_seq_len)
+    if offload is None:
+        from .distill import DistillSettings as _DS
+        from .memory import choose_offload
+
+        offload = choose_offload(load_source(src), cfg.experts, len(cfg.dense_layers), par.device,
+                                 device_memory(par.device), par.world, seq=seq0, sample_batch=SAMPLE_BATCH,
+                                 bf16=_autocast_on(par.device), train_attention=opts.train_attention,
+                                 kl_chunk=_DS(tokens=1).kl_chunk)
+        if offload and notify and par.main:
+            notify("the student's state does not fit the GPU: offloading it to host memory (FSDP2 CPU offload); "
+                   "--no-offload turns that off")
     if memory_check:
-        from .families import load_source as _source
         from .memory import check_fits
 
-        seq0 = int(bo.report.get("calibration", {}).get("seq_len") or cfg.calib_seq_len)
-        check_fits(predicted_memory(src, bo, opts, seq0, par.device, world=par.world), par.device,
-                   device_memory(par.device), _source(src), cfg.experts, len(cfg.dense_layers), seq0)
+        check_fits(predicted_memory(src, bo, opts, seq0, par.device, world=par.world, offload=offload), par.device,
+                   device_memory(par.device), load_source(src), cfg.experts, len(cfg.dense_layers), seq0)
     run_index = len(bo.runs)
     seed = opts.seed if opts.seed is not None else cfg.seed + 1000 * run_index
     par.barrier()  # every rank has checked the same files before rank 0 changes them
@@ -709,19 +722,29 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
     share_frozen(teacher, student, opts.train_attention,
                  torch.bfloat16 if _autocast(dev, settings.autocast)[1] else None, own_attention=own_attention)
     release_memory()  # the student's copies of what it now shares
-    if par.on:
-        if opts.train_attention:
-            raise MoeifyError("--tune-attention is not supported across processes yet", "tune in one process")
-        for m in student.modules():
-            if isinstance(m, MaskedMoE):
-                par.shard(m)
-    state = TuningState(root, save_every, par)
-    saved = state.load()
-    with _stop_on_signal(state, notify):
-        info = distill(teacher, student, train, held, settings, progress=progress, state=state, resume=saved,
-                       targets=targets, par=par)
-    if par.on:
-        gather_student(student)
+    if par.on and opts.train_attention:
+        raise MoeifyError("--tune-attention is not supported across processes yet", "tune in one process")
+    if offload:
+        from .parallel import with_offload
+
+        par = with_offload(par)
+    try:
+        if par.sharded:
+            for m in student.modules():
+                if isinstance(m, MaskedMoE):
+                    par.shard(m)
+        state = TuningState(root, save_every, par)
+        saved = state.load()
+        with _stop_on_signal(state, notify):
+            info = distill(teacher, student, train, held, settings, progress=progress, state=state, resume=saved,
+                           targets=targets, par=par)
+        if par.sharded:
+            gather_student(student)
+    except BaseException:
+        if par.own_group:
+            par.close()
+        raise
+    info["offload"] = bool(offload)
     info = {"scope": "model", "lr": opts.lr, "seed": seed, "text": text, "resumed": saved is not None,
             "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), **info}
     del teacher
@@ -741,10 +764,7 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
         shutil.rmtree(root, ignore_errors=True)
     reader.close()
     par.barrier()
-    if par.on:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
+    par.close()
     return report
 
 
@@ -814,7 +834,14 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
             "device_bytes": device_memory(dev)}
 
 
-def predicted_memory(src: Path, bo: BaseOutput, opts: TuneOptions, seq: int, dev: str, settings=None, world: int = 1):
+def _autocast_on(dev: str) -> bool:
+    from .distill import DistillSettings, _autocast
+
+    return _autocast(dev, DistillSettings(tokens=1).autocast)[1]
+
+
+def predicted_memory(src: Path, bo: BaseOutput, opts: TuneOptions, seq: int, dev: str, settings=None, world: int = 1,
+                     offload: bool = False):
     """moeify.memory's prediction for this run (the config of SRC, the layout of the output)."""
     from .distill import DistillSettings, _autocast
     from .families import load_source
@@ -824,7 +851,7 @@ def predicted_memory(src: Path, bo: BaseOutput, opts: TuneOptions, seq: int, dev
     return source_tuning_memory(load_source(src), bo.cfg.experts, len(bo.cfg.dense_layers), seq=seq,
                                 micro_windows=settings.micro_windows, kl_chunk=settings.kl_chunk,
                                 sample_batch=SAMPLE_BATCH, bf16=_autocast(dev, settings.autocast)[1],
-                                train_attention=opts.train_attention, device=dev, world=world)
+                                train_attention=opts.train_attention, device=dev, world=world, offload=offload)
 
 
 def refuse_leftover_state(out: Path, src: Path, overwrite: bool) -> None:
