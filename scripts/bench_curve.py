@@ -23,7 +23,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_quality import load_moe, perplexity, tokens_of  # noqa: E402
 
-CORPORA = ROOT.parent / "shared" / "corpora"
+# ../shared/corpora beside the repository (or beside a parent directory, for a worktree elsewhere)
+CORPORA = next((p / "shared" / "corpora" for p in ROOT.parents if (p / "shared" / "corpora").is_dir()),
+               ROOT.parent / "shared" / "corpora")
 TEXTS = [CORPORA / "wikitext2" / "valid.txt", CORPORA / "tinyshakespeare" / "valid.txt",
          Path("/usr/share/common-licenses/GPL-3")]
 
