@@ -244,7 +244,8 @@ def convert(
     device: Optional[str] = typer.Option(None, help="Where calibration, k-means clustering and router fitting "
                                          "run: auto (a GPU if there is one) | cpu | cuda [default: auto]."),
     preset: Optional[Path] = typer.Option(None, help="TOML preset (e.g. configs/active-50.toml); flags override "
-                                          "it."),
+                                          "it. A preset's [layout] (shares of d_ff) is resolved for SRC: the expert "
+                                          "count whose width quantized kernels take; --dry-run prints how."),
     target: Optional[list[str]] = typer.Option(None, "--target", help="A serving engine the output must run in: "
                                                "transformers | vllm | llama.cpp (repeatable, or comma-separated); "
                                                "convert refuses a layout a target cannot run. The presets name all "

@@ -146,8 +146,9 @@ def print_plan(console: Console, plan, out: Path) -> None:
             mem, dev, have = plan.tuning_memory()
             fits = "" if have is None else (f" of {have / 1e9:.1f} GB" + ("" if mem.peak <= have else
                                                                           ": does NOT fit; use a larger device"))
-            t.add_row("tuning memory", f"{mem.peak / 1e9:.1f} GB predicted on {dev}{fits} (`moeify tune --dry-run` "
-                      "measures it)")
+            off = f" + {mem.host / 1e9:.1f} GB host (offloaded)" if mem.host else ""
+            t.add_row("tuning memory", f"{mem.peak / 1e9:.1f} GB predicted on {dev}{off}{fits} (`moeify tune "
+                      "--dry-run` measures it)")
     if cfg.dense_layers:
         t.add_row("dense layers", ", ".join(map(str, cfg.dense_layers)))
     t.add_row("total params", f"{human_count(b.total_params)} ({b.total_ratio:.3f}× dense)")
