@@ -493,14 +493,15 @@ def build_student(teacher, base: BaseOutput, reader: CheckpointReader, device: s
 
 
 def gather_student(student) -> None:
-    """After a run across processes: every MaskedMoE's sharded tensors replaced by whole ones (a collective), so the
-    output is written from plain tensors."""
-    from .distill import MaskedMoE
+    """After a sharded run: every sharded tensor (the MaskedMoEs', and with --tune-attention each layer's attention
+    and norms) replaced by the whole one (a collective), so the output is written from plain tensors."""
+    from torch.distributed.tensor import DTensor
+
     from .parallel import full
 
     for m in student.modules():
-        if isinstance(m, MaskedMoE):
-            for name, p in list(m.named_parameters(recurse=False)):
+        for name, p in list(m.named_parameters(recurse=False)):
+            if isinstance(p, DTensor):
                 m._parameters[name] = torch.nn.Parameter(full(p.detach()).clone(), requires_grad=False)
 
 
@@ -722,8 +723,6 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
     share_frozen(teacher, student, opts.train_attention,
                  torch.bfloat16 if _autocast(dev, settings.autocast)[1] else None, own_attention=own_attention)
     release_memory()  # the student's copies of what it now shares
-    if par.on and opts.train_attention:
-        raise MoeifyError("--tune-attention is not supported across processes yet", "tune in one process")
     if offload:
         from .parallel import with_offload
 
@@ -733,6 +732,9 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
             for m in student.modules():
                 if isinstance(m, MaskedMoE):
                     par.shard(m)
+            if opts.train_attention:  # each layer's own attention and norms: one FSDP2 group per decoder layer (its
+                for layer in student.model.layers:  # MaskedMoE is already a group of its own)
+                    par.shard(layer)
         state = TuningState(root, save_every, par)
         saved = state.load()
         with _stop_on_signal(state, notify):

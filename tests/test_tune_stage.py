@@ -298,6 +298,34 @@ def test_memory_model_counts_what_tuning_holds(carved):
     assert model.student == 4 * 4 * trainable  # weights, gradients, two Adam moments, float32
 
 
+def test_two_processes_tune_attention_too(carved, tmp_path):
+    """--tune-attention across processes: each decoder layer's own attention and norms are one more FSDP2 group
+    (the MaskedMoE its own); the same held-out curve and weights as one process, as above, and the attention and
+    norm weights of the output moved (they were trained) in both."""
+    dense, carve = carved
+    one, two = _copy(carve, tmp_path / "one"), _copy(carve, tmp_path / "two")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    flags = ["--tokens", str(4 * 1024), "--tune-generated", "0.25", "--lr", "0.02", "--tune-attention"]
+    subprocess.run([sys.executable, "-m", "moeify", "tune", str(dense), str(one)] + flags, env=env, check=True,
+                   capture_output=True)
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "moeify",
+                          "tune", str(dense), str(two)] + flags, env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    ra, rb = (json.loads((p / "report.json").read_text())["tuning"]["runs"][0] for p in (one, two))
+    assert rb["attention_trained"] and ra["attention_trained"]
+    for (_, ka), (_, kb) in zip(ra["holdout_curve"], rb["holdout_curve"]):
+        assert kb == pytest.approx(ka, rel=1e-4)
+    ta, tb, tc = _tensors(one), _tensors(two), _tensors(carve)
+    attn = [n for n in ta if "self_attn" in n or "layernorm" in n]
+    assert attn and all(not torch.equal(ta[n], tc[n]) and not torch.equal(tb[n], tc[n]) for n in attn)
+    for name in ta:
+        moved = (ta[name].float() - tc[name].float()).abs().max().item()
+        if moved:
+            assert (ta[name].float() - tb[name].float()).abs().max().item() < 0.05 * moved, name
+        else:
+            assert torch.equal(ta[name], tb[name]), name
+
+
 def test_two_processes_with_fsdp2_train_what_one_process_trains(carved, tmp_path):
     """torchrun with 2 CPU processes (gloo): the student's MaskedMoEs sharded by FSDP2, each step's windows split
     across the ranks. Same held-out KL trajectory and final weights as one process on the same tokens, within float
