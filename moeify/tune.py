@@ -747,6 +747,7 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
             par.close()
         raise
     info["offload"] = bool(offload)
+    info["peak_bytes"], info["peak_what"] = _peak_memory(dev)
     info = {"scope": "model", "lr": opts.lr, "seed": seed, "text": text, "resumed": saved is not None,
             "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), **info}
     del teacher
@@ -834,6 +835,15 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
             "estimated_seconds": n_steps * step_s + sampled / 1024 * sampling_rate,
             "peak_bytes": peak, "peak_what": what, "predicted": predicted.to_dict(),
             "device_bytes": device_memory(dev)}
+
+
+def _peak_memory(dev: str) -> tuple[int, str]:
+    """The process's peak memory so far on the device tuning ran on (a GPU's allocator, or the peak RSS)."""
+    if dev.startswith("cuda"):
+        return int(torch.cuda.max_memory_allocated(torch.device(dev))), "torch.cuda.max_memory_allocated"
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "peak RSS of this process"
 
 
 def _autocast_on(dev: str) -> bool:

@@ -9,7 +9,9 @@
 3. the 50% preset's tokens -> quality curve on SmolLM2: continued `moeify tune` runs (262,144 tokens, then doubling
    the total up to --curve-tokens, 8M by default), each written output scored against dense on the three held-out
    texts (scripts/bench_curve.py);
-4. decode tokens/s of both presets' layouts against dense in transformers bf16 on the GPU (greedy, KV cache).
+4. decode tokens/s of both presets' layouts against dense in transformers bf16 on the GPU (greedy, KV cache);
+5. offloaded tuning (`--offload`, FSDP2 CPU offload) against plain tuning on the largest shape: s per 1,024 tokens
+   and the run's peak GPU memory.
 
 Every step is the real command line (`python -m moeify ...`) and the rows land in one JSON. CI runs it on the CPU
 with a tiny model and tiny budgets (`--device cpu --quick`, tests/test_bench_gpu.py) so that it does not rot while no
@@ -76,6 +78,7 @@ def main() -> None:
     ap.add_argument("--calib", type=Path, default=CORPORA / "wikitext2" / "calib_train_200k.txt")
     ap.add_argument("--curve-tokens", type=int, default=8 * 2**20, help="the curve's last total of tuning tokens")
     ap.add_argument("--first-tokens", type=int, default=262144, help="the curve's first run")
+    ap.add_argument("--offload-tokens", type=int, default=32768, help="tokens of the plain and offloaded tuning runs")
     ap.add_argument("--eval-tokens", type=int, default=8192)
     ap.add_argument("--eval", type=Path, nargs="+", default=None, help="held-out texts [default: bench_curve.py's "
                     "three]")
@@ -125,6 +128,21 @@ def main() -> None:
                                                        "peak_what", "sampling_seconds_per_1k", "predicted")}
         print(f"tuning {name}: {est['tokens_per_second']:,.0f} tok/s, peak {est['peak_bytes'] / 1e9:.2f} GB measured, "
               f"{est['predicted']['peak'] / 1e9:.2f} GB predicted", flush=True)
+        save()
+    # offloaded tuning (FSDP2 CPU offload of the student's state) against plain tuning, on the largest shape here:
+    # tokens/s and the peak the run reports (torch.cuda.max_memory_allocated on a GPU)
+    name, src, carve = shapes[-1]
+    results["offload"] = {"model": name}
+    for mode in ("--no-offload", "--offload"):
+        run_dir = args.work / f"offload-{mode.strip('-')}"
+        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+        subprocess.run(["cp", "-r", str(carve), str(run_dir)], check=True)
+        r = moeify("tune", str(src), str(run_dir), "--tokens", str(args.offload_tokens), mode, *dev, json_out=True)
+        run = r["tuning"]["runs"][-1]
+        results["offload"][mode.strip("-")] = {k: run[k] for k in ("seconds_per_1k_tokens", "peak_bytes", "peak_what",
+                                                                   "holdout_kl_after", "offload")}
+        print(f"tuning {name} {mode}: {run['seconds_per_1k_tokens']:.2f} s per 1,024 tokens, peak "
+              f"{run['peak_bytes'] / 1e9:.2f} GB", flush=True)
         save()
     curve_dir = args.work / "curve-active-50"
     subprocess.run(["rm", "-rf", str(curve_dir)], check=True)

@@ -18,7 +18,7 @@ def test_bench_gpu_runs_every_step_on_cpu(tmp_path, tokenizer_dir):
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--device", "cpu", "--quick",
                           "--model", str(dense), "--work", str(tmp_path / "work"), "--calib", str(CORPUS),
                           "--eval", str(CORPUS), "--eval-tokens", "1024", "--first-tokens", "1024",
-                          "--curve-tokens", "2048", "--json", str(tmp_path / "gpu.json")],
+                          "--curve-tokens", "2048", "--offload-tokens", "1024", "--json", str(tmp_path / "gpu.json")],
                          capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-2000:]
     out = json.loads((tmp_path / "gpu.json").read_text())
@@ -28,3 +28,6 @@ def test_bench_gpu_runs_every_step_on_cpu(tmp_path, tokenizer_dir):
     assert [p["tokens"] for p in out["curve"]] == [1024, 2048]
     assert all(0 < r < 100 for p in out["curve"] for r in p["ratio"].values())  # scored (a random model: any ratio)
     assert set(out["decode"]) == {"dense", "active-50", "active-25"} and min(out["decode"].values()) > 0
+    off = out["offload"]
+    assert off["offload"]["offload"] and not off["no-offload"]["offload"]
+    assert off["offload"]["peak_bytes"] > 0 and off["no-offload"]["seconds_per_1k_tokens"] > 0
