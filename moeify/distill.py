@@ -274,7 +274,8 @@ class _TempKeeper:
 
 
 def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, settings: DistillSettings,
-            progress=None, state=None, resume: tuple[dict, dict] | None = None, targets=None, par=None) -> dict:
+            progress=None, state=None, resume: tuple[dict, dict] | None = None, targets=None, par=None,
+            held_targets: torch.Tensor | None = None) -> dict:
     """Train the student's MaskedMoE weights (and routers) towards the teacher's next-token distributions.
 
     train: (n_windows, seq_len) token windows to draw the budget from; held_out: (m, seq_len) windows never trained
@@ -287,7 +288,9 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
     snapshot: the run continues from it and ends with the weights an uninterrupted run would have (same machine and
     thread count). targets: targets(i) -> the teacher's final hidden states of training window i, (seq, d), kept
     from sampling it, or None (the teacher runs on that window). par: moeify.parallel.Parallel of a run across
-    processes (the student's MaskedMoEs sharded by FSDP2; each rank trains on its share of every step's windows)."""
+    processes (the student's MaskedMoEs sharded by FSDP2; each rank trains on its share of every step's windows).
+    held_targets: (m, seq, d) the teacher's final hidden states of the held-out windows (computed before; None: the
+    teacher runs on them once here)."""
     from .parallel import Parallel, assign, full, like
 
     par = par or Parallel()
@@ -346,8 +349,12 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
 
     ctx, bf16 = _autocast(str(device), settings.autocast)
     head = student.lm_head.weight
-    with torch.no_grad(), ctx:  # the teacher's final hidden states on the held-out windows, once
-        hold_t = [final_hidden(teacher, held_out[s:s + per_step].to(device)) for s in range(0, len(held_out), per_step)]
+    if held_targets is not None and len(held_targets) == len(held_out):
+        hold_t = [held_targets[s:s + per_step].to(device, torch.float32) for s in range(0, len(held_out), per_step)]
+    else:
+        with torch.no_grad(), ctx:  # the teacher's final hidden states on the held-out windows, once
+            hold_t = [final_hidden(teacher, held_out[s:s + per_step].to(device))
+                      for s in range(0, len(held_out), per_step)]
 
     def held_kl() -> float:
         with torch.no_grad(), ctx:

@@ -2,7 +2,8 @@
 
 What `moeify/tune.py` holds while it tunes (moeify.distill; every term is a tensor the code keeps):
 - the teacher: every dense parameter in float32, except its FFN weights, stored in bf16 when tuning runs under bf16
-  autocast (share_frozen: autocast casts them at every call anyway);
+  autocast (share_frozen: autocast casts them at every call anyway); on a GPU, while tuning, without the FFNs of
+  the carved layers, freed once the teacher pass has computed every target (moeify.tune.teacher_pass);
 - the student's own tensors: the carved FFNs (gate, up, down at the dense width: the masked student computes every
   neuron) and routers in float32, their gradients and Adam's two moments (4 copies), and the dense layers' FFNs
   (student copies, frozen); with --tune-attention the attention projections and norms too (4 copies);
@@ -38,10 +39,11 @@ class TuneMemory:
     sampling: int  # KV cache and kept hidden states of one sampling batch
     baseline: int
     host: int = 0  # host memory of an offloaded run (the student's state), besides the device's peak
+    teacher_freed: int = 0  # the teacher's carved FFNs, freed after the teacher pass (not held while tuning)
 
     @property
     def tuning_peak(self) -> int:
-        return self.teacher + self.student + self.activations + self.kl + self.baseline
+        return self.teacher - self.teacher_freed + self.student + self.activations + self.kl + self.baseline
 
     @property
     def sampling_peak(self) -> int:
@@ -54,7 +56,8 @@ class TuneMemory:
     def to_dict(self) -> dict:
         return {"teacher": self.teacher, "student": self.student, "activations": self.activations, "kl": self.kl,
                 "sampling": self.sampling, "baseline": self.baseline, "tuning_peak": self.tuning_peak,
-                "sampling_peak": self.sampling_peak, "peak": self.peak, "host": self.host}
+                "sampling_peak": self.sampling_peak, "peak": self.peak, "host": self.host,
+                "teacher_freed": self.teacher_freed}
 
 
 def tuning_memory(*, hidden: int, d_ff: int, n_layers: int, heads: int, kv_heads: int, head_dim: int, vocab: int,
@@ -82,7 +85,12 @@ def tuning_memory(*, hidden: int, d_ff: int, n_layers: int, heads: int, kv_heads
     activations = tokens * L * (6 * f + 10 * h) * act_bytes + tokens * h * 4 * 2  # + final hidden and its gradient
     kl = 4 * kl_chunk * vocab * 4 + (vocab * h * 2 if bf16 else 0)  # + the head's bf16 copy for the gradient
     sampling = sample_batch * seq * (L * 2 * kv_heads * head_dim * 4 + h * 4) + sample_batch * vocab * 4 * 2
-    return TuneMemory(teacher, student, activations, kl, sampling, CPU_BASELINE if device == "cpu" else 0, host)
+    # the teacher pass: tuning never runs the teacher's carved FFNs, and they are freed; on a GPU that is memory
+    # back, on a CPU not: the weights are pages of the memory-mapped safetensors file, which stays mapped (and
+    # counted in RSS) while the rest of the teacher uses it (measured: RSS unchanged when they are dropped)
+    freed = carved * ffn * (2 if bf16 else 4) if device != "cpu" else 0
+    return TuneMemory(teacher, student, activations, kl, sampling, CPU_BASELINE if device == "cpu" else 0, host,
+                      freed)
 
 
 def source_tuning_memory(src, experts: int, dense_layers: int = 0, **kw) -> TuneMemory:

@@ -217,7 +217,7 @@ def print_tuning(console: Console, report: dict, header: bool = True, estimate: 
                   f"({e['tokens_per_second']:,.0f} tok/s)")
         t.add_row("sampling", f"{e['sampled_tokens']:,} tokens, {e['sampling_seconds_per_1k']:.2f} s per 1,024")
         t.add_row("estimated time", f"{_duration(e['estimated_seconds'])} (sampling "
-                  f"{_duration(e['sampling_seconds'])})")
+                  f"{_duration(e['sampling_seconds'])}, teacher pass {_duration(e.get('teacher_pass_seconds', 0))})")
         p = e["predicted"]
         t.add_row("peak memory", f"{e['peak_bytes'] / 1e9:.2f} GB measured, {p['peak'] / 1e9:.2f} GB predicted")
         if e.get("device_bytes"):

@@ -412,11 +412,95 @@ class TeacherTargets:
         self.first, self.skip, self.batch = first, skip, batch  # train index of the first sampled window; held out
         self.files = [safe_open(str(f), "pt") for f in sorted(folder.glob("batch-*.safetensors"))]
 
+        self.real: dict[int, tuple] = {}  # train index of a real window -> (file, row) of its precomputed targets
+
     def __call__(self, i: int) -> torch.Tensor | None:
         if i < self.first:
-            return None
+            where = self.real.get(i)
+            return None if where is None else where[0].get_slice("hidden")[where[1]]
         j = i - self.first + self.skip
         return self.files[j // self.batch].get_slice("hidden")[j % self.batch]
+
+
+TARGET_BATCH = 16  # windows per file of the teacher pass
+
+
+def drawn_windows(n_train: int, seed: int, per_step: int, steps: int) -> torch.Tensor:
+    """The training windows a run draws (moeify.distill.WindowStream with the run's seed), sorted, each once."""
+    from .distill import WindowStream
+
+    return torch.unique(WindowStream(torch.empty(n_train, 0), seed).take_indices(per_step * steps))
+
+
+def teacher_pass(root: Path, teacher, train: torch.Tensor, held: torch.Tensor, targets: TeacherTargets | None,
+                 seed: int, settings, progress: Progress | None, par=None) -> tuple[TeacherTargets | None, torch.Tensor]:
+    """The teacher's final hidden states (float32) of every real training window the run will draw and of the
+    held-out windows, computed once before tuning (saved batch by batch in the state directory, so a resumed run
+    reads them back), so that the tuning loop never runs the teacher: a window seen in several passes costs one
+    teacher forward, and the teacher's FFNs can be freed before the student is built. Returns (the targets of
+    every drawn window, the held-out windows' targets)."""
+    from safetensors import safe_open
+
+    from .distill import _autocast, final_hidden
+    from .parallel import Parallel
+
+    par = par or Parallel()
+    folder = root / "targets"
+    folder.mkdir(exist_ok=True)
+    seq = train.shape[1]
+    per_step = max(1, settings.batch_tokens // seq)
+    steps = max(1, -(-settings.tokens // (per_step * seq)))
+    first = targets.first if targets is not None else train.shape[0]
+    real = [int(i) for i in drawn_windows(train.shape[0], settings.seed, per_step, steps) if i < first]
+    jobs = [("held", torch.arange(held.shape[0]))] + [
+        ("train", torch.tensor(real[s:s + TARGET_BATCH])) for s in range(0, len(real), TARGET_BATCH)]
+    dev = next(teacher.parameters()).device
+    ctx = _autocast(str(dev), settings.autocast)[0]
+    done_tokens, total_tokens = 0, sum(len(idx) for _, idx in jobs) * seq
+    for b, (kind, idx) in enumerate(jobs):
+        f = folder / f"batch-{b:05d}.safetensors"
+        if b % par.world == par.rank and not f.is_file() and len(idx):
+            windows = (held if kind == "held" else train)[idx]
+            # float32, and batched as the loop would run them (held-out windows a step's worth at a time, training
+            # windows one micro-batch at a time): the targets are the very values the teacher in the loop computes
+            size = per_step if kind == "held" else max(1, settings.micro_windows)
+            with torch.no_grad(), ctx:
+                hidden = torch.cat([final_hidden(teacher, windows[s:s + size].to(dev)).float().cpu()
+                                    for s in range(0, len(idx), size)])
+            _atomic_save({"index": idx.contiguous(), "hidden": hidden.contiguous()}, f)
+        done_tokens += len(idx) * seq
+        if progress and b % par.world == par.rank:
+            progress("teacher targets", done_tokens, total_tokens)
+    if par.main:
+        (folder / "complete.json").write_text(json.dumps({"real_windows": len(real), "held_out": int(held.shape[0])}))
+    par.barrier()
+    if targets is None:
+        targets = TeacherTargets(root / "sampled", first, 0, SAMPLE_BATCH)
+    held_t = torch.empty(0)
+    for b, (kind, _) in enumerate(jobs):
+        f = folder / f"batch-{b:05d}.safetensors"
+        if not f.is_file():
+            continue
+        if kind == "held":
+            held_t = load_file(str(f))["hidden"]
+        else:
+            handle = safe_open(str(f), "pt")
+            for row, i in enumerate(handle.get_tensor("index").tolist()):
+                targets.real[int(i)] = (handle, row)
+    return targets, held_t
+
+
+def free_teacher_ffns(teacher, layers: list[int]) -> None:
+    """Drop the teacher's FFN weights of these (carved) layers once tuning reads all its targets from the teacher
+    pass (what the student shares with the teacher, its attention, embeddings, norms and head, stays; so do the
+    FFNs of layers kept dense, which the student copies)."""
+    for i in layers:
+        teacher.model.layers[i].mlp = _FreedFFN()
+
+
+class _FreedFFN(torch.nn.Module):
+    def forward(self, x):
+        raise RuntimeError("the teacher's FFNs were freed after the teacher pass; tuning reads its targets")
 
 
 def tuning_data(root: Path, src_path: Path, base: BaseOutput, opts: TuneOptions, seq: int, seed: int, teacher,
@@ -604,12 +688,14 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
                 restart: bool = False, device: str = "auto", save_every: float = SAVE_EVERY,
                 progress: Progress | None = None, notify: Callable[[str], None] | None = None,
                 base: Path | None = None, given: dict | None = None, memory_check: bool = True,
-                offload: bool | None = None) -> dict:
+                offload: bool | None = None, precompute_targets: bool = True) -> dict:
     """Tune the moeify output OUT (or `base`, the carve convert has just written) towards its dense source SRC and
     write the result to OUT all or nothing. Returns the new report.json.
 
     offload: keep the student's trainable tensors, gradients and optimizer state in host memory (FSDP2 CPU offload;
     moeify.parallel); None: when the GPU is too small otherwise and the offloaded run fits (moeify.memory).
+    precompute_targets: the teacher pass (teacher_pass) before tuning, the teacher's FFNs freed after it; False: the
+    teacher runs on the real windows inside the loop (the path before the teacher pass; kept for comparison).
     resume: continue the interrupted run saved in OUT.moeify-tune (opts None: its own; `given`, the options the
     caller set explicitly, must agree with it). restart: discard such a state and start anew."""
     from transformers import AutoModelForCausalLM
@@ -716,10 +802,15 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
                           "tuning needs the source's safetensors weights") from None
     seq = int(bo.report.get("calibration", {}).get("seq_len") or min(cfg.calib_seq_len, teacher.config.max_position_embeddings))
     train, held, text, targets = tuning_data(root, src, bo, opts, seq, seed, teacher, progress, par)
-    reader = CheckpointReader(base)
-    student, own_attention = build_student(teacher, bo, reader, dev)
     settings = DistillSettings(tokens=opts.tokens, lr=opts.lr, train_router=opts.train_router,
                                train_attention=opts.train_attention, seed=seed)
+    held_targets = None
+    if precompute_targets:
+        targets, held_targets = teacher_pass(root, teacher, train, held, targets, seed, settings, progress, par)
+        free_teacher_ffns(teacher, [e["layer"] for e in bo.report["layers"] if not e.get("dense")])
+        release_memory()
+    reader = CheckpointReader(base)
+    student, own_attention = build_student(teacher, bo, reader, dev)
     share_frozen(teacher, student, opts.train_attention,
                  torch.bfloat16 if _autocast(dev, settings.autocast)[1] else None, own_attention=own_attention)
     release_memory()  # the student's copies of what it now shares
@@ -739,7 +830,7 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
         saved = state.load()
         with _stop_on_signal(state, notify):
             info = distill(teacher, student, train, held, settings, progress=progress, state=state, resume=saved,
-                           targets=targets, par=par)
+                           targets=targets, par=par, held_targets=held_targets)
         if par.sharded:
             gather_student(student)
     except BaseException:
@@ -781,7 +872,7 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
 
     from transformers import AutoModelForCausalLM
 
-    from .distill import DistillSettings, _autocast, distill, sample_text, share_frozen
+    from .distill import DistillSettings, _autocast, distill, final_hidden, sample_text, share_frozen
 
     src, out = Path(src), Path(out)
     root = state_dir(out)
@@ -808,21 +899,35 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
     t0 = time.time()
     sample_text(teacher, prompts, new, 0, batch=SAMPLE_BATCH)
     sampling_rate = (time.time() - t0) / (SAMPLE_BATCH * new) * 1024
+    settings = DistillSettings(tokens=steps * 1024, lr=opts.lr, train_router=opts.train_router,
+                               train_attention=opts.train_attention, evals=1)
+    ctx = _autocast(dev, settings.autocast)[0]
+    # the teacher pass over the windows these steps draw (timed), then the teacher's FFNs freed, as the run does
+    held1 = held[:1] if len(held) else real[-1:]
+    drawn = drawn_windows(real.shape[0], settings.seed, max(1, settings.batch_tokens // seq), steps)
+    t0 = time.time()
+    with torch.no_grad(), ctx:
+        kept = {int(i): final_hidden(teacher, real[i:i + 1].to(dev)).float().cpu()[0] for i in drawn}
+        held_t = final_hidden(teacher, held1.to(dev)).float().cpu()
+    teacher_rate = (time.time() - t0) / ((len(drawn) + 1) * seq) * 1024
+    free_teacher_ffns(teacher, [e["layer"] for e in bo.report["layers"] if not e.get("dense")])
+    release_memory()
     reader = CheckpointReader(base)
     student, own_attention = build_student(teacher, bo, reader, dev)
     reader.close()
-    settings = DistillSettings(tokens=steps * 1024, lr=opts.lr, train_router=opts.train_router,
-                               train_attention=opts.train_attention, evals=1)
     share_frozen(teacher, student, opts.train_attention,
                  torch.bfloat16 if _autocast(dev, settings.autocast)[1] else None, own_attention=own_attention)
     release_memory()
     stamps = []
-    distill(teacher, student, real, held[:1] if len(held) else real[-1:], settings,
-            progress=lambda *a: stamps.append(time.time()))
+    distill(teacher, student, real, held1, settings, progress=lambda *a: stamps.append(time.time()),
+            targets=kept.get, held_targets=held_t)
     step_s = (stamps[-2] - stamps[0]) / max(1, len(stamps) - 2)  # steps 2..n-1: no warm-up, no held-out check
     per_step = max(1, settings.batch_tokens // seq) * seq
     n_steps = -(-opts.tokens // per_step)
     sampled = round(opts.generated * opts.tokens / seq) * seq
+    # the real windows the whole run is expected to draw at least once (draws uniform over real + sampled windows)
+    n_real, n_all = real.shape[0], real.shape[0] + sampled // seq
+    teacher_tokens = n_real * (1 - (1 - 1 / n_all) ** (n_steps * per_step // seq)) * seq + held.shape[0] * seq
     if dev.startswith("cuda"):
         peak, what = torch.cuda.max_memory_allocated(), "torch.cuda.max_memory_allocated"
     else:
@@ -831,8 +936,8 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
     return {"tokens": opts.tokens, "device": dev, "step_tokens": per_step, "step_seconds": step_s,
             "tokens_per_second": per_step / step_s, "steps": n_steps, "sampled_tokens": sampled,
             "sampling_seconds_per_1k": sampling_rate, "sampling_seconds": sampled / 1024 * sampling_rate,
-            "tuning_seconds": n_steps * step_s,
-            "estimated_seconds": n_steps * step_s + sampled / 1024 * sampling_rate,
+            "tuning_seconds": n_steps * step_s, "teacher_pass_seconds": teacher_tokens / 1024 * teacher_rate,
+            "estimated_seconds": n_steps * step_s + sampled / 1024 * sampling_rate + teacher_tokens / 1024 * teacher_rate,
             "peak_bytes": peak, "peak_what": what, "predicted": predicted.to_dict(),
             "device_bytes": device_memory(dev)}
 

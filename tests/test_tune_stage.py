@@ -179,13 +179,14 @@ def test_ctrl_c_saves_and_prints_the_command_that_resumes(carved, tmp_path):
                              "--tokens", str(64 * 1024), "--tune-generated", "0.25"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
-    while time.time() < deadline and not (state_dir(out) / "data.safetensors").is_file():  # tuning has started
+    while time.time() < deadline and not list(state_dir(out).glob("best-*.safetensors")):  # tuning has started
         time.sleep(0.05)
     time.sleep(0.5)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert f"moeify tune {dense} {out} --resume" in " ".join(err.split()), err
+    assert (state_dir(out) / "state.json").is_file(), err[-3000:]
     meta = json.loads((state_dir(out) / "state.json").read_text())["meta"]
     assert 0 < meta["step"] < meta["total"] == 64  # saved at the end of the step in progress
     _assert_identical(out, carve)
@@ -264,7 +265,9 @@ def test_tune_command_line(carved, tmp_path):
     est = json.loads(res.stdout[res.stdout.index("{"):])
     assert est["steps"] == 4 and est["step_seconds"] > 0 and est["peak_bytes"] > 50e6
     assert est["predicted"]["peak"] >= est["predicted"]["tuning_peak"] > est["predicted"]["baseline"] > 0
-    assert est["estimated_seconds"] == pytest.approx(est["tuning_seconds"] + est["sampling_seconds"])
+    assert est["teacher_pass_seconds"] > 0
+    assert est["estimated_seconds"] == pytest.approx(est["tuning_seconds"] + est["sampling_seconds"]
+                                                     + est["teacher_pass_seconds"])
     assert not state_dir(out).exists()
     _assert_identical(out, carve)  # --dry-run writes nothing
     res = runner.invoke(app, ["tune", str(dense), str(out), "--tokens", "2048", "--tune-generated", "0.25"])
@@ -296,6 +299,11 @@ def test_memory_model_counts_what_tuning_holds(carved):
     trainable = sum(p.numel() for m in student.modules() if isinstance(m, MaskedMoE) for p in m.parameters())
     assert sum(p.numel() for p in own_params) == trainable  # every layer carved: the student owns only its MoEs
     assert model.student == 4 * 4 * trainable  # weights, gradients, two Adam moments, float32
+    ffn_bytes = sum(p.numel() * p.element_size() for layer in teacher.model.layers for p in layer.mlp.parameters())
+    on_gpu = source_tuning_memory(load_source(dense), bo.cfg.experts, bf16=True, device="cuda")
+    assert on_gpu.teacher_freed == ffn_bytes  # the teacher pass frees them (bf16 here) before tuning, on a GPU
+    assert on_gpu.tuning_peak == (on_gpu.teacher - ffn_bytes + on_gpu.student + on_gpu.activations + on_gpu.kl)
+    assert model.teacher_freed == 0  # on a CPU they stay mapped from the safetensors file
 
 
 def test_two_processes_tune_attention_too(carved, tmp_path):
@@ -355,6 +363,32 @@ def test_two_processes_with_fsdp2_train_what_one_process_trains(carved, tmp_path
             assert torch.equal(ta[name], tb[name]), name
     assert worst < 0.05, worst
     assert verify_checkpoint(two, against=dense).problems == []
+
+
+def test_teacher_pass_frees_the_teachers_ffns_and_trains_what_the_teacher_in_the_loop_trains(carved, tmp_path,
+                                                                                          monkeypatch):
+    """The teacher pass computes the teacher's targets of every real window the run draws (and of the held-out
+    windows) before tuning and frees the teacher's carved FFNs: the loop never runs the teacher (a freed FFN raises
+    if called). The targets are the values the teacher in the loop computes (float32, the same batching), so the
+    output is bit-identical to the run with the teacher inside the loop."""
+    import moeify.distill as distill_mod
+    from moeify.tune import _FreedFFN
+
+    dense, carve = carved
+    opts = TuneOptions(tokens=8 * 1024, generated=0.25, lr=0.02)
+    cached, loop = _copy(carve, tmp_path / "cached"), _copy(carve, tmp_path / "loop")
+    seen, real = {}, distill_mod.distill
+
+    def spy(teacher, *args, **kw):
+        seen.setdefault("freed", []).append([isinstance(layer.mlp, _FreedFFN) for layer in teacher.model.layers])
+        return real(teacher, *args, **kw)
+
+    monkeypatch.setattr(distill_mod, "distill", spy)
+    ra = tune_output(dense, cached, opts)["tuning"]["runs"][0]
+    rb = tune_output(dense, loop, opts, precompute_targets=False)["tuning"]["runs"][0]
+    assert seen["freed"] == [[True, True, True], [False, False, False]]
+    assert ra["holdout_curve"] == rb["holdout_curve"]
+    _assert_identical(cached, loop)
 
 
 def test_offloaded_tuning_trains_what_plain_tuning_trains_and_resumes(carved, tmp_path):
