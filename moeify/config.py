@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import MoeifyError
-from .layout import Layout, layout_from_table, resolve_into
+from .layout import Layout, layout_from_table, needs_resolution, resolve_into
 
 METHODS = ("contiguous", "random", "gate-cluster", "activation", "coactivation")
 ROUTERS = ("mean-gate", "representative", "fitted")
@@ -218,7 +218,7 @@ def build_config(preset: str | Path | None = None, default_calib: bool = False, 
     as shares ([layout], moeify/layout.py) and the flags do not give every count; the counts are resolved for it."""
     values = load_preset(preset) if preset else {}
     values.update({k: v for k, v in flags.items() if v is not None})
-    if values.get("layout") is not None and any(values.get(k) is None for k in ("experts", "shared", "top_k")):
+    if needs_resolution(values):
         if source is None:
             raise MoeifyError(f"preset {preset} states its layout as shares of d_ff ([layout]): the expert counts "
                               "depend on the model", "give the source checkpoint (the command line does), or pass "

@@ -70,19 +70,17 @@ class ConversionPlan:
     def tuning_memory(self):
         """(moeify.memory.TuneMemory, device, the device's memory or None) of this plan's recovery tuning."""
         from .distill import _autocast
-        from .memory import device_memory, source_tuning_memory
+        from .memory import choose_offload, device_memory, source_tuning_memory
         from .numerics import resolve_device
-
-        from .memory import choose_offload
 
         dev = resolve_device(self.cfg.device)
         seq = min(self.cfg.calib_seq_len, int(self.src.raw.get("max_position_embeddings") or self.cfg.calib_seq_len))
         kw = dict(seq=seq, bf16=_autocast(dev, "auto")[1], train_attention=self.cfg.tune_attention)
         dense = len(self.cfg.dense_layers) or self.cfg.dense_auto
         have = device_memory(dev)
-        offload = choose_offload(self.src, self.cfg.experts, dense, dev, have, **kw)  # as `moeify tune` will
-        mem = source_tuning_memory(self.src, self.cfg.experts, dense, device=dev, offload=offload, **kw)
-        return mem, dev, have
+        plain, offloaded = (source_tuning_memory(self.src, self.cfg.experts, dense, device=dev, offload=o, **kw)
+                            for o in (False, True))
+        return (offloaded if choose_offload(plain, offloaded, dev, have) else plain), dev, have  # as `tune` will
 
     def summary(self) -> dict:
         """The plan as `convert --dry-run --json` writes it: settings, widths, budget, output size, serving fit."""

@@ -184,6 +184,11 @@ def resolve_layout(layout: Layout, d_ff: int, *, experts: int | None = None, sha
     return Resolution(layout, d_ff, ordered[0], pinned, ordered)
 
 
+def needs_resolution(values: dict) -> bool:
+    """Whether values (a preset merged with flags) state a [layout] and leave a count to resolve from it."""
+    return values.get("layout") is not None and any(values.get(k) is None for k in ("experts", "shared", "top_k"))
+
+
 def resolve_into(values: dict, d_ff: int) -> dict:
     """values (a preset merged with flags) with experts/shared/top_k resolved from values['layout'] where not given,
     and the layout's `resolved` line recording how."""
@@ -196,4 +201,5 @@ def resolve_into(values: dict, d_ff: int) -> dict:
     return out
 
 
-__all__ = ["Layout", "LAYOUT_KEYS", "Candidate", "Resolution", "layout_from_table", "resolve_layout", "resolve_into"]
+__all__ = ["Layout", "LAYOUT_KEYS", "Candidate", "Resolution", "layout_from_table", "resolve_layout", "needs_resolution",
+           "resolve_into"]

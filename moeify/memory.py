@@ -165,13 +165,9 @@ def check_fits(mem: TuneMemory, device: str, have: int | None, src, experts: int
                       "--no-memory-check to try anyway")
 
 
-def choose_offload(src, experts: int, dense_layers: int, device: str, have: int | None, world: int = 1,
-                   **kw) -> bool:
-    """auto: offload on a GPU when the run does not fit it as it is and fits it offloaded (host memory permitting)."""
-    if not device.startswith("cuda") or have is None:
+def choose_offload(plain: TuneMemory, offloaded: TuneMemory, device: str, have: int | None) -> bool:
+    """auto, from the run's predictions without and with offload: offload on a GPU when the run does not fit it as
+    it is and fits it offloaded (host memory permitting)."""
+    if not device.startswith("cuda") or have is None or plain.peak <= have:
         return False
-    plain = source_tuning_memory(src, experts, dense_layers, device=device, world=world, **kw)
-    if plain.peak <= have:
-        return False
-    return fits(source_tuning_memory(src, experts, dense_layers, device=device, world=world, offload=True, **kw),
-                have, device_memory("cpu"))
+    return fits(offloaded, have, device_memory("cpu"))

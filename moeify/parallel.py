@@ -18,6 +18,7 @@ path does not rot; pinned memory needs an accelerator, so it is pinned only on G
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -128,7 +129,7 @@ def like(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 def with_offload(par: Parallel) -> Parallel:
     """par with FSDP2 CPU offload on; in one process, over a one-process group this process creates."""
     if par.mesh is not None:
-        return Parallel(par.world, par.rank, par.device, par.mesh, True, par.own_group)
+        return dataclasses.replace(par, offload=True)
     from torch.distributed.device_mesh import init_device_mesh
 
     cuda = par.device.startswith("cuda")

@@ -217,11 +217,11 @@ def plan_preset(src: SourceModel, preset: str | Path, *, experts: int | None = N
     """The plan of the layout a preset gives this model: its [layout] resolved for src.d_ff (flags win), or its
     counts as written."""
     from .config import load_preset
-    from .layout import resolve_into
+    from .layout import needs_resolution, resolve_into
 
     values = load_preset(preset)
     values.update({k: v for k, v in (("experts", experts), ("shared", shared), ("top_k", top_k)) if v is not None})
-    if values.get("layout") is not None and any(values.get(k) is None for k in ("experts", "shared", "top_k")):
+    if needs_resolution(values):
         values = resolve_into(values, src.d_ff)
     plan = plan_moe(src, experts=values.get("experts", 8), top_k=values.get("top_k", 2),
                     shared=values.get("shared", 0), expert_width=expert_width)

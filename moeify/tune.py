@@ -411,7 +411,6 @@ class TeacherTargets:
 
         self.first, self.skip, self.batch = first, skip, batch  # train index of the first sampled window; held out
         self.files = [safe_open(str(f), "pt") for f in sorted(folder.glob("batch-*.safetensors"))]
-
         self.real: dict[int, tuple] = {}  # train index of a real window -> (file, row) of its precomputed targets
 
     def __call__(self, i: int) -> torch.Tensor | None:
@@ -433,7 +432,7 @@ def drawn_windows(n_train: int, seed: int, per_step: int, steps: int) -> torch.T
 
 
 def teacher_pass(root: Path, teacher, train: torch.Tensor, held: torch.Tensor, targets: TeacherTargets | None,
-                 seed: int, settings, progress: Progress | None, par=None) -> tuple[TeacherTargets | None, torch.Tensor]:
+                 settings, progress: Progress | None, par=None) -> tuple[TeacherTargets | None, torch.Tensor]:
     """The teacher's final hidden states (float32) of every real training window the run will draw and of the
     held-out windows, computed once before tuning (saved batch by batch in the state directory, so a resumed run
     reads them back), so that the tuning loop never runs the teacher: a window seen in several passes costs one
@@ -490,12 +489,13 @@ def teacher_pass(root: Path, teacher, train: torch.Tensor, held: torch.Tensor, t
     return targets, held_t
 
 
-def free_teacher_ffns(teacher, layers: list[int]) -> None:
-    """Drop the teacher's FFN weights of these (carved) layers once tuning reads all its targets from the teacher
-    pass (what the student shares with the teacher, its attention, embeddings, norms and head, stays; so do the
-    FFNs of layers kept dense, which the student copies)."""
-    for i in layers:
-        teacher.model.layers[i].mlp = _FreedFFN()
+def free_teacher_ffns(teacher, base: BaseOutput) -> None:
+    """Drop the teacher's FFN weights of the layers the base output carved, once tuning reads all its targets from
+    the teacher pass (what the student shares with the teacher, its attention, embeddings, norms and head, stays;
+    so do the FFNs of layers kept dense, which the student copies)."""
+    for entry in base.report["layers"]:
+        if not entry.get("dense"):
+            teacher.model.layers[entry["layer"]].mlp = _FreedFFN()
 
 
 class _FreedFFN(torch.nn.Module):
@@ -755,13 +755,10 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
     check_free_space(out, sum(f.stat().st_size for f in base.glob("*.safetensors")), overwrite=True)
     seq0 = int(bo.report.get("calibration", {}).get("seq_len") or cfg.calib_seq_len)
     if offload is None:
-        from .distill import DistillSettings as _DS
         from .memory import choose_offload
 
-        offload = choose_offload(load_source(src), cfg.experts, len(cfg.dense_layers), par.device,
-                                 device_memory(par.device), par.world, seq=seq0, sample_batch=SAMPLE_BATCH,
-                                 bf16=_autocast_on(par.device), train_attention=opts.train_attention,
-                                 kl_chunk=_DS(tokens=1).kl_chunk)
+        offload = choose_offload(*(predicted_memory(src, bo, opts, seq0, par.device, world=par.world, offload=o)
+                                   for o in (False, True)), par.device, device_memory(par.device))
         if offload and notify and par.main:
             notify("the student's state does not fit the GPU: offloading it to host memory (FSDP2 CPU offload); "
                    "--no-offload turns that off")
@@ -806,8 +803,8 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
                                train_attention=opts.train_attention, seed=seed)
     held_targets = None
     if precompute_targets:
-        targets, held_targets = teacher_pass(root, teacher, train, held, targets, seed, settings, progress, par)
-        free_teacher_ffns(teacher, [e["layer"] for e in bo.report["layers"] if not e.get("dense")])
+        targets, held_targets = teacher_pass(root, teacher, train, held, targets, settings, progress, par)
+        free_teacher_ffns(teacher, bo)
         release_memory()
     reader = CheckpointReader(base)
     student, own_attention = build_student(teacher, bo, reader, dev)
@@ -868,8 +865,6 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
     (the first is a warm-up) and the sampling of one batch of short continuations, and measure the peak memory.
     Writes nothing. Returns the measured rates, the estimated time of the whole run and the memory model's
     prediction (moeify.memory)."""
-    import resource
-
     from transformers import AutoModelForCausalLM
 
     from .distill import DistillSettings, _autocast, distill, final_hidden, sample_text, share_frozen
@@ -910,7 +905,7 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
         kept = {int(i): final_hidden(teacher, real[i:i + 1].to(dev)).float().cpu()[0] for i in drawn}
         held_t = final_hidden(teacher, held1.to(dev)).float().cpu()
     teacher_rate = (time.time() - t0) / ((len(drawn) + 1) * seq) * 1024
-    free_teacher_ffns(teacher, [e["layer"] for e in bo.report["layers"] if not e.get("dense")])
+    free_teacher_ffns(teacher, bo)
     release_memory()
     reader = CheckpointReader(base)
     student, own_attention = build_student(teacher, bo, reader, dev)
@@ -928,10 +923,7 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
     # the real windows the whole run is expected to draw at least once (draws uniform over real + sampled windows)
     n_real, n_all = real.shape[0], real.shape[0] + sampled // seq
     teacher_tokens = n_real * (1 - (1 - 1 / n_all) ** (n_steps * per_step // seq)) * seq + held.shape[0] * seq
-    if dev.startswith("cuda"):
-        peak, what = torch.cuda.max_memory_allocated(), "torch.cuda.max_memory_allocated"
-    else:
-        peak, what = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "peak RSS of this process"
+    peak, what = _peak_memory(dev)
     predicted = predicted_memory(src, bo, opts, seq, dev, settings)
     return {"tokens": opts.tokens, "device": dev, "step_tokens": per_step, "step_seconds": step_s,
             "tokens_per_second": per_step / step_s, "steps": n_steps, "sampled_tokens": sampled,
@@ -949,12 +941,6 @@ def _peak_memory(dev: str) -> tuple[int, str]:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "peak RSS of this process"
-
-
-def _autocast_on(dev: str) -> bool:
-    from .distill import DistillSettings, _autocast
-
-    return _autocast(dev, DistillSettings(tokens=1).autocast)[1]
 
 
 def predicted_memory(src: Path, bo: BaseOutput, opts: TuneOptions, seq: int, dev: str, settings=None, world: int = 1,
