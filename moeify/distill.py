@@ -231,7 +231,7 @@ def accumulate_kl(teacher, student, batch: torch.Tensor, head: torch.Tensor, ctx
         kept = None if targets is None else targets[m * size:(m + 1) * size]
         with ctx:
             if kept is not None and all(t is not None for t in kept):
-                target = torch.stack(kept).to(device, torch.float32)
+                target = torch.stack([t.float() for t in kept]).to(device)  # (fp16 sampled, fp32 real)
             else:
                 with torch.no_grad():
                     target = final_hidden(teacher, micro)
