@@ -301,6 +301,32 @@ class CheckpointReader:
             raise MoeifyError(f"tensor {name} in {path} could not be read ({exc})", "re-download this shard") from None
         return self._checked(name, path, tensor)
 
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows start:stop (dim 0) of one tensor, reading only their bytes (a process's shard of a tensor it
+        shards across processes: moeify.tune.load_teacher); NaN/Inf are refused as in get()."""
+        path, info = self.file_of.get(name), self.tensors.get(name)
+        if path is None or info is None:
+            raise MoeifyError(f"tensor {name} is missing from {self.root}", "the checkpoint is incomplete or not a supported layout")
+        shape = (max(0, stop - start),) + tuple(info.shape[1:])
+        if self.pickled:
+            return self._checked(name, path, self.get(name)[start:stop].clone())
+        tensor = torch.empty(shape, dtype=info.dtype)
+        row = math.prod(info.shape[1:]) * tensor.element_size()
+        begin = self._span[name][0] + start * row
+        try:
+            with open(path, "rb", buffering=0) as fh:
+                fh.seek(begin)
+                buf = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
+                done = 0
+                while done < len(buf):
+                    n = fh.readinto(buf[done:])
+                    if not n:
+                        raise OSError(f"file ends {len(buf) - done} bytes early")
+                    done += n
+        except OSError as exc:
+            raise MoeifyError(f"tensor {name} in {path} could not be read ({exc})", "re-download this shard") from None
+        return self._checked(name, path, tensor)
+
     def _checked(self, name: str, path: Path, tensor: torch.Tensor) -> torch.Tensor:
         bad = first_nonfinite(tensor)
         if bad is not None:

@@ -362,8 +362,12 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
                   * t.shape[0] for s, t in zip(range(0, len(held_out), per_step), hold_t)]
         return (sum(kl) / len(held_out)).item()
 
-    def trainable() -> dict[str, torch.Tensor]:  # whole tensors (gathered from the ranks' shards)
-        return {f"param.{j}": full(p.detach()).contiguous().cpu() for j, p in enumerate(params)}
+    def host(t: torch.Tensor) -> torch.Tensor | None:  # the whole tensor (gathered from the ranks' shards: every
+        whole = full(t.detach())  # rank takes part), kept in host memory by rank 0 only (the rank that saves it)
+        return whole.contiguous().cpu() if par.main else None
+
+    def trainable() -> dict[str, torch.Tensor]:
+        return {k: v for k, v in ((f"param.{j}", host(p)) for j, p in enumerate(params)) if v is not None}
 
     stream = WindowStream(train, settings.seed)
     checks = sorted({max(1, round(total * (i + 1) / settings.evals)) for i in range(settings.evals)})
@@ -384,7 +388,9 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
         opt_state = opt.state_dict()
         for i, st in opt_state["state"].items():
             for k, v in st.items():
-                tensors[f"opt.{i}.{k}"] = full(v.detach()).contiguous().cpu()
+                v = host(v)
+                if v is not None:
+                    tensors[f"opt.{i}.{k}"] = v
         stream_t, stream_m = stream.state()
         tensors.update(stream_t)
         meta = {"step": step, "total": total, "base_lrs": base_lrs, "param_groups": opt_state["param_groups"],

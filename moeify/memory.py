@@ -1,12 +1,20 @@
-"""Peak memory of recovery tuning on one device, predicted from the config alone (no weights read).
+"""Peak memory of recovery tuning per process, predicted from the config alone (no weights read).
 
 What `moeify/tune.py` holds while it tunes (moeify.distill; every term is a tensor the code keeps):
-- the teacher: every dense parameter in float32, except its FFN weights, stored in bf16 when tuning runs under bf16
-  autocast (share_frozen: autocast casts them at every call anyway); on a GPU, while tuning, without the FFNs of
-  the carved layers, freed once the teacher pass has computed every target (moeify.tune.teacher_pass);
+- the teacher, as loaded: every dense parameter in float32. In one process it is loaded whole. Across processes
+  (torchrun) it is sharded (moeify.tune.load_teacher): every decoder layer's attention and FFN are FSDP2 groups
+  split across the processes, gathered one group at a time for each forward (two at once: the one computing and
+  the one fetched next), while the embeddings, output head and norms are whole on every process;
+- before tuning the teacher pass has computed every target, and the carved layers' FFNs of the teacher are freed
+  (`teacher_freed`): on a GPU, and across processes; in one process on a CPU the freed weights are pages of the
+  memory-mapped safetensors file, which stays mapped while the rest of the teacher uses it (measured: RSS
+  unchanged). Under bf16 autocast in one process the FFNs of layers kept dense are stored in bf16 (share_frozen:
+  autocast casts them at every call anyway): half of them freed on a GPU, a bf16 copy beside the mapped file on a
+  CPU;
 - the student's own tensors: the carved FFNs (gate, up, down at the dense width: the masked student computes every
-  neuron) and routers in float32, their gradients and Adam's two moments (4 copies), and the dense layers' FFNs
-  (student copies, frozen); with --tune-attention the attention projections and norms too (4 copies);
+  neuron) and routers in float32, their gradients and Adam's two moments (4 copies, sharded across processes), and
+  the dense layers' FFNs (student copies, frozen; shared with a sharded teacher); with --tune-attention the
+  attention projections and norms too (4 copies);
 - the activations autograd keeps for the backward pass of one micro-batch (one window of seq tokens): per token and
   layer about 6 d_ff (the FFN's gate and up products, their activation and product, the mask and the masked
   product) plus 10 d (the norms, q/k/v/attention output and the FFN input) values, in float32, or half of that in
@@ -17,8 +25,11 @@ What `moeify/tune.py` holds while it tunes (moeify.distill; every term is a tens
   2 · layers · kv_heads · head_dim values per token) and the kept final hidden states;
 - a process baseline (the Python runtime, torch and transformers, the tokenizer): measured, about 0.5 GB on CPU.
 With offload (FSDP2 CPU offload, a GPU run) the student's tensors, gradients and Adam moments move to host memory
-(`host`), and the GPU holds the weights and gradients of about two carved layers at a time (the one computing and
-the one FSDP2 fetches next), in float32.
+(`host`, per process), and the GPU holds the weights and gradients of about two carved layers at a time (the one
+computing and the one FSDP2 fetches next), in float32. Saving the run's state (every 10 minutes, and the best
+checked weights) gathers the trainable tensors and Adam's moments whole into the host memory of the process that
+writes them (`save_host`: rank 0, a GPU or a run across processes; in one CPU process they are the tensors
+themselves).
 The prediction is the larger of the sampling and tuning phases. scripts/bench_memory.py holds it against the measured
 peak (RSS on CPU, torch.cuda.max_memory_allocated on a GPU); BENCHMARKS.md "Tuning memory" has the numbers.
 """
@@ -38,8 +49,10 @@ class TuneMemory:
     kl: int
     sampling: int  # KV cache and kept hidden states of one sampling batch
     baseline: int
-    host: int = 0  # host memory of an offloaded run (the student's state), besides the device's peak
+    host: int = 0  # host memory of an offloaded run (the student's state), per process, besides the device's peak
     teacher_freed: int = 0  # the teacher's carved FFNs, freed after the teacher pass (not held while tuning)
+    save_host: int = 0  # host memory of the writing process while it saves the run's state (whole tensors)
+    world: int = 1
 
     @property
     def tuning_peak(self) -> int:
@@ -57,7 +70,14 @@ class TuneMemory:
         return {"teacher": self.teacher, "student": self.student, "activations": self.activations, "kl": self.kl,
                 "sampling": self.sampling, "baseline": self.baseline, "tuning_peak": self.tuning_peak,
                 "sampling_peak": self.sampling_peak, "peak": self.peak, "host": self.host,
-                "teacher_freed": self.teacher_freed}
+                "teacher_freed": self.teacher_freed, "save_host": self.save_host, "world": self.world,
+                "host_total": self.host_total}
+
+    @property
+    def host_total(self) -> int:
+        """Host memory of the machine beyond the devices' (all processes on one machine): the offloaded state of
+        every process and the writer's saved copies."""
+        return self.host * self.world + self.save_host
 
 
 def tuning_memory(*, hidden: int, d_ff: int, n_layers: int, heads: int, kv_heads: int, head_dim: int, vocab: int,
@@ -65,32 +85,40 @@ def tuning_memory(*, hidden: int, d_ff: int, n_layers: int, heads: int, kv_heads
                   kl_chunk: int = 256, sample_batch: int = 64, bf16: bool = False, train_attention: bool = False,
                   device: str = "cpu", world: int = 1, offload: bool = False) -> TuneMemory:
     """Predicted bytes of each part of a tuning run (see the module docstring), per process: across `world`
-    processes (torchrun, moeify.parallel) FSDP2 shards the student's trainable tensors, gradients and Adam moments,
-    while every process holds the whole teacher (not sharded yet) and one window's activations. offload (a GPU
-    run): the student's state in host memory instead (TuneMemory.host)."""
+    processes (torchrun, moeify.parallel) FSDP2 shards the teacher's decoder layers and the student's trainable
+    tensors, gradients and Adam moments; every process holds the embeddings, head and norms and one window's
+    activations. offload (a GPU run): the student's state in host memory instead (TuneMemory.host)."""
     h, f, L = hidden, d_ff, n_layers
-    attn = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2 + 2 * h  # q, o, k, v projections and two norms
+    proj = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2  # q, o, k, v projections
+    attn = proj + 2 * h  # and the layer's two norms
     ffn = 3 * h * f
     embed = vocab * h * (1 if tied else 2) + h
-    teacher = 4 * (embed + L * attn) + L * ffn * (2 if bf16 else 4)
     carved = L - dense_layers
+    sharded = world > 1
+    if sharded:  # the layers' attention and FFN split across the processes, two groups gathered at a time
+        teacher = 4 * (embed + L * 2 * h) + -(-4 * L * (proj + ffn) // world) + 2 * 4 * max(proj, ffn)
+        freed = -(-4 * carved * ffn // world)
+    else:
+        teacher = 4 * (embed + L * attn + L * ffn)
+        if device != "cpu":
+            freed = 4 * carved * ffn + (2 * dense_layers * ffn if bf16 else 0)
+        else:  # mapped pages stay; bf16 copies of the dense layers' FFNs come beside them
+            freed = -(2 * dense_layers * ffn if bf16 else 0)
     trainable = carved * (ffn + experts * h + 1) + (L * attn if train_attention else 0)
-    student = -(-4 * 4 * trainable // world) + 4 * dense_layers * ffn
+    own_dense = 0 if sharded else 4 * dense_layers * ffn  # a sharded teacher's dense FFNs are shared
+    student = -(-4 * 4 * trainable // world) + own_dense
     host = 0
     if offload and device != "cpu":  # on a CPU the "host" is the device: nothing moves
-        host = student - 4 * dense_layers * ffn
-        student = 2 * 2 * 4 * (ffn + experts * h + 1) + 4 * dense_layers * ffn
+        host = student - own_dense
+        student = 2 * 2 * 4 * (ffn + experts * h + 1) + own_dense
+    save_host = 3 * 4 * trainable if (device != "cpu" or sharded) else 0  # weights and both moments, whole
     act_bytes = 2 if bf16 else 4
     tokens = seq * micro_windows
     activations = tokens * L * (6 * f + 10 * h) * act_bytes + tokens * h * 4 * 2  # + final hidden and its gradient
     kl = 4 * kl_chunk * vocab * 4 + (vocab * h * 2 if bf16 else 0)  # + the head's bf16 copy for the gradient
     sampling = sample_batch * seq * (L * 2 * kv_heads * head_dim * 4 + h * 4) + sample_batch * vocab * 4 * 2
-    # the teacher pass: tuning never runs the teacher's carved FFNs, and they are freed; on a GPU that is memory
-    # back, on a CPU not: the weights are pages of the memory-mapped safetensors file, which stays mapped (and
-    # counted in RSS) while the rest of the teacher uses it (measured: RSS unchanged when they are dropped)
-    freed = carved * ffn * (2 if bf16 else 4) if device != "cpu" else 0
     return TuneMemory(teacher, student, activations, kl, sampling, CPU_BASELINE if device == "cpu" else 0, host,
-                      freed)
+                      freed, save_host, world)
 
 
 def source_tuning_memory(src, experts: int, dense_layers: int = 0, **kw) -> TuneMemory:
@@ -120,46 +148,65 @@ GPU_COUNTS = (1, 2, 4, 8)
 
 
 def memory_table(src, experts: int, dense_layers: int = 0, seq: int = 512) -> list[dict]:
-    """Predicted peak per process of tuning, float32 on a CPU and bf16 on GPUs across 1-8 processes (`moeify plan`)."""
+    """Predicted peak per process of tuning, float32 on a CPU and bf16 on GPUs across 1-8 processes, and offloaded
+    on 1 and 8 GPUs (`moeify plan`); "host": the machine's host memory beyond the devices (TuneMemory.host_total)."""
     rows = [{"device": "cpu", "processes": 1,
              "peak": source_tuning_memory(src, experts, dense_layers, seq=seq, device="cpu").peak}]
     rows += [{"device": "cuda", "processes": g, "offload": False,
               "peak": source_tuning_memory(src, experts, dense_layers, seq=seq, bf16=True, device="cuda", world=g).peak}
              for g in GPU_COUNTS]
-    off = source_tuning_memory(src, experts, dense_layers, seq=seq, bf16=True, device="cuda", offload=True)
-    rows.insert(2, {"device": "cuda", "processes": 1, "offload": True, "peak": off.peak, "host": off.host})
+    for at, g in ((2, 1), (len(rows) + 1, GPU_COUNTS[-1])):
+        off = source_tuning_memory(src, experts, dense_layers, seq=seq, bf16=True, device="cuda", offload=True,
+                                   world=g)
+        rows.insert(at, {"device": "cuda", "processes": g, "offload": True, "peak": off.peak, "host": off.host_total})
+    for r in rows:
+        if not r.get("offload") and r["device"] == "cuda":
+            r["host"] = source_tuning_memory(src, experts, dense_layers, seq=seq, bf16=True, device="cuda",
+                                             world=r["processes"]).host_total
     return rows
 
 
 def fits(mem: TuneMemory, have: int | None, host_have: int | None) -> bool:
-    """Whether a prediction fits the device's memory (and, offloaded, the host's)."""
-    return (have is None or mem.peak <= have) and (host_have is None or mem.host <= host_have)
+    """Whether a prediction fits the device's memory (and the host's: offloaded state, saved copies)."""
+    return (have is None or mem.peak <= have) and (host_have is None or mem.host_total <= host_have)
+
+
+def gpu_layout(src, experts: int, dense_layers: int, seq: int, have: float, host_have: float | None):
+    """The fewest GPUs (of GPU_COUNTS, each with `have` bytes) that fit a tuning run, plain before offloaded at the
+    same count: (count, offload, prediction), or None."""
+    for g in GPU_COUNTS:
+        for off in (False, True):
+            mem = source_tuning_memory(src, experts, dense_layers, seq=seq, bf16=True, device="cuda", world=g,
+                                       offload=off)
+            if fits(mem, have, host_have):
+                return g, off, mem
+    return None
 
 
 def check_fits(mem: TuneMemory, device: str, have: int | None, src, experts: int, dense_layers: int = 0,
                seq: int = 512) -> None:
-    """Refuse a tuning run whose predicted peak per process exceeds the device's memory, naming what would fit."""
+    """Refuse a tuning run whose predicted peak per process exceeds the device's memory (or whose host memory
+    exceeds the machine's), naming what would fit."""
     from .errors import MoeifyError
 
-    host_have = device_memory("cpu") if mem.host else None
+    gpu = device.startswith("cuda")
+    host_have = device_memory("cpu") if gpu and mem.host_total else None
     if fits(mem, have, host_have):
         return
+    per_gpu = have if gpu else 80e9
+    layout = gpu_layout(src, experts, dense_layers, seq, per_gpu, device_memory("cpu") if gpu else None)
+    if layout is None:
+        hint = "no layout of up to 8 GPUs fits"
+    else:
+        g, off, best = layout
+        cmd = "moeify tune" if g == 1 else f"torchrun --nproc-per-node {g} -m moeify tune"
+        hint = (f"run on {g} GPU{'s' if g > 1 else ''}{' with --offload' if off else ''}: {cmd} ...{' --offload' if off else ''} "
+                f"(predicted {best.peak / 1e9:.0f} GB each{'' if gpu else ' on 80 GB GPUs'}"
+                f"{f', {best.host_total / 1e9:.0f} GB host' if off else ''})")
     if have is not None and mem.peak <= have:
-        raise MoeifyError(f"offloaded tuning needs about {mem.host / 1e9:.1f} GB of host memory for the student's "
-                          f"state (predicted: moeify/memory.py), and this machine has {host_have / 1e9:.1f} GB",
-                          "run across GPUs with torchrun (the state is sharded), or pass --no-memory-check to try "
-                          "anyway")
-    fit = [g for g in GPU_COUNTS if source_tuning_memory(src, experts, dense_layers, seq=seq, bf16=True, device="cuda",
-                                                         world=g).peak <= (have if device.startswith("cuda") else 80e9)]
-    hint = (f"run across {fit[0]} GPUs: torchrun --nproc-per-node {fit[0]} -m moeify tune ... (predicted "
-            f"{source_tuning_memory(src, experts, dense_layers, seq=seq, bf16=True, device='cuda', world=fit[0]).peak / 1e9:.0f} "
-            f"GB each{'' if device.startswith('cuda') else ' on 80 GB GPUs'})" if fit else
-            "no layout of up to 8 GPUs fits yet (the teacher is replicated in every process)")
-    if device.startswith("cuda") and not mem.host:
-        off = source_tuning_memory(src, experts, dense_layers, seq=seq, bf16=True, device="cuda", offload=True)
-        if fits(off, have, device_memory("cpu")):
-            hint = (f"pass --offload (the student's state in host memory: {off.peak / 1e9:.0f} GB on the GPU, "
-                    f"{off.host / 1e9:.0f} GB host), or {hint}")
+        raise MoeifyError(f"tuning needs about {mem.host_total / 1e9:.1f} GB of host memory (the offloaded state and "
+                          f"the saved copies; predicted: moeify/memory.py), and this machine has "
+                          f"{host_have / 1e9:.1f} GB", f"{hint}; or pass --no-memory-check to try anyway")
     raise MoeifyError(f"tuning needs about {mem.peak / 1e9:.1f} GB on {device} (predicted: moeify/memory.py), and "
                       f"{device} has {have / 1e9:.1f} GB", f"{hint}; or convert with --no-tune; or pass "
                       "--no-memory-check to try anyway")
@@ -168,6 +215,6 @@ def check_fits(mem: TuneMemory, device: str, have: int | None, src, experts: int
 def choose_offload(plain: TuneMemory, offloaded: TuneMemory, device: str, have: int | None) -> bool:
     """auto, from the run's predictions without and with offload: offload on a GPU when the run does not fit it as
     it is and fits it offloaded (host memory permitting)."""
-    if not device.startswith("cuda") or have is None or plain.peak <= have:
+    if not device.startswith("cuda") or have is None or fits(plain, have, device_memory("cpu")):
         return False
     return fits(offloaded, have, device_memory("cpu"))

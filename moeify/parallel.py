@@ -72,14 +72,37 @@ class Parallel:
     def comm_device(self) -> str:
         return self.device if self.device.startswith("cuda") else "cpu"
 
+    def most(self, n: int) -> int:
+        """The largest n of any rank (every rank gets it): how many forwards every rank runs in a lockstep round."""
+        if not self.on:
+            return n
+        t = torch.tensor([n], dtype=torch.int64, device=self.comm_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def rows(self, n: int) -> tuple[int, int]:
+        """This rank's rows of a tensor with n rows sharded on dim 0 as FSDP2 shards it (torch.chunk: ceil(n / world)
+        rows a rank, the last ranks fewer or none)."""
+        c = -(-n // self.world)
+        return min(n, self.rank * c), min(n, (self.rank + 1) * c)
+
     def shard(self, module: torch.nn.Module) -> None:
         """FSDP2 over all ranks for this module's parameters, offloaded to host memory with offload (no-op in one
-        process without offload)."""
+        process without offload). Resharded after every forward, its own root included (FSDP2's default keeps a
+        root's weights whole after forward: every MaskedMoE is a root, so a no-grad forward, the held-out check or
+        the sampling, would leave the whole student gathered on every rank)."""
         if self.mesh is not None:
             from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
             policy = CPUOffloadPolicy(pin_memory=self.device.startswith("cuda")) if self.offload else OffloadPolicy()
-            fully_shard(module, mesh=self.mesh, offload_policy=policy)
+            fully_shard(module, mesh=self.mesh, offload_policy=policy, reshard_after_forward=True)
+
+    def shard_frozen(self, module: torch.nn.Module) -> None:
+        """FSDP2 over all ranks for a frozen module of the teacher (its attention, its FFN): each rank holds 1/world
+        of its weights, gathered for each forward and resharded after it; never offloaded (nothing to step)."""
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(module, mesh=self.mesh, reshard_after_forward=True)
 
     def close(self) -> None:
         """Leave the process group (the end of a run)."""

@@ -146,7 +146,8 @@ def print_plan(console: Console, plan, out: Path) -> None:
             mem, dev, have = plan.tuning_memory()
             fits = "" if have is None else (f" of {have / 1e9:.1f} GB" + ("" if mem.peak <= have else
                                                                           ": does NOT fit; use a larger device"))
-            off = f" + {mem.host / 1e9:.1f} GB host (offloaded)" if mem.host else ""
+            off = (f" + {mem.host_total / 1e9:.1f} GB host" + (" (offloaded)" if mem.host else "")
+                   if mem.host_total else "")
             t.add_row("tuning memory", f"{mem.peak / 1e9:.1f} GB predicted on {dev}{off}{fits} (`moeify tune "
                       "--dry-run` measures it)")
     if cfg.dense_layers:
@@ -295,8 +296,9 @@ def print_moe_plan(console: Console, plan) -> None:
                                        + ("\noffload" if r.get("offload") else "")) for r in mem],
                          [["peak"] + [human_bytes(r["peak"]) for r in mem],
                           ["+ host"] + [human_bytes(r["host"]) if r.get("host") else "" for r in mem]]))
-    console.print("[dim]GPUs: bf16 autocast; across GPUs (torchrun) FSDP2 shards the student's state, the teacher is "
-                  "held by every process; offload (--offload): the student's state in host memory[/]")
+    console.print("[dim]GPUs: bf16 autocast; across GPUs (torchrun) FSDP2 shards the teacher's layers and the "
+                  "student's state; offload (--offload): the student's state in host memory; + host: the machine's "
+                  "host memory for it and for the saved state[/]")
     carve = next(r for r in plan.regimes if r.name == "inference saving")
     _print_serving_advice(console, s.d_ff, plan.experts, plan.shared, padded_width(carve.expert_width))
 

@@ -214,6 +214,36 @@ def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     os.replace(tmp, path)
 
 
+class SavedTensors:
+    """The tensors of a saved safetensors file, each read when it is asked for (a resumed or finishing run reads one
+    tensor at a time into its shard, not the whole state at once: across processes every rank reads it)."""
+
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        self._file = safe_open(str(path), "pt")
+        self._names = set(self._file.keys())
+
+    def __contains__(self, name) -> bool:
+        return name in self._names
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        return self._file.get_tensor(name)
+
+    def get(self, name: str, default=None):
+        return self[name] if name in self._names else default
+
+    def pop(self, name: str) -> torch.Tensor:
+        value = self[name]
+        self._names.discard(name)
+        return value
+
+    def keys(self):
+        return set(self._names)
+
+
 class TuningState:
     """The state directory's snapshots: moeify.distill.distill's `state` (keep / kept / checkpoint)."""
 
@@ -231,9 +261,9 @@ class TuningState:
             _atomic_save(tensors, self.root / name)
         self._best = name
 
-    def kept(self) -> dict[str, torch.Tensor]:
+    def kept(self) -> SavedTensors:
         self.par.barrier()  # rank 0 has written it
-        return load_file(str(self.root / self._best))
+        return SavedTensors(self.root / self._best)
 
     def checkpoint(self, step: int, total: int, snapshot) -> None:
         """Save the run's state when it is due: every save_every seconds, at the last step, on a stop request (and
@@ -266,7 +296,7 @@ class TuningState:
             return None
         try:
             saved = json.loads(f.read_text())
-            tensors = load_file(str(self.root / saved["file"]))
+            tensors = SavedTensors(self.root / saved["file"])
         except (ValueError, KeyError, OSError) as exc:
             raise MoeifyError(f"the saved tuning state in {self.root} cannot be read ({exc})",
                               "start again with --restart") from None
@@ -354,6 +384,64 @@ def _text_sources(base: BaseOutput, opts: TuneOptions) -> list[tuple[str, list[s
     return sources
 
 
+def load_teacher(src: Path, dev: str, par=None):
+    """The dense source as the tuning teacher, float32 on `dev`, frozen, in eval mode.
+
+    One process: transformers' from_pretrained. Across processes (torchrun): the teacher is sharded, never held
+    whole by any process: the model is built on the meta device, every decoder layer's attention and FFN become
+    FSDP2 groups of their own (moeify.parallel.Parallel.shard_frozen: gathered for each forward, resharded after
+    it), and each rank reads from SRC's safetensors only its own rows of those weights (CheckpointReader.get_rows);
+    the embeddings, norms and output head (small beside the layers; the KL reads the head whole) are read whole on
+    every rank. The student shares these modules with the teacher (share_frozen), so the FSDP2 groups are the
+    teacher's attention and FFN modules themselves: whoever calls them gathers them."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .parallel import Parallel
+
+    par = par or Parallel()
+    if not par.on:
+        try:
+            return AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, local_files_only=True,
+                                                        use_safetensors=True, trust_remote_code=False).to(dev).eval()
+        except OSError as exc:
+            raise MoeifyError(f"tuning cannot load {src} ({exc.__class__.__name__})",
+                              "tuning needs the source's safetensors weights") from None
+    from torch.distributed.tensor import DTensor
+
+    reader = CheckpointReader(src)  # refuses pickled weights, as from_pretrained(use_safetensors=True) does
+    config = AutoConfig.from_pretrained(src, local_files_only=True, trust_remote_code=False)
+    with torch.device("meta"):
+        teacher = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
+    for layer in teacher.model.layers:
+        par.shard_frozen(layer.self_attn)
+        par.shard_frozen(layer.mlp)
+    teacher.to_empty(device=dev)
+    teacher.tie_weights()  # to_empty gives tied weights separate storage
+    rotary = teacher.model.rotary_emb  # its buffers are computed from the config, not read
+    teacher.model.rotary_emb = type(rotary)(teacher.config).to(dev)
+    others = [n for n, _ in teacher.named_buffers() if not n.startswith("model.rotary_emb.")]
+    if others:  # a buffer to_empty left uninitialised
+        raise MoeifyError(f"{src}: tuning across processes cannot build this model's buffers ({', '.join(others)})",
+                          "tune it in one process")
+    try:
+        with torch.no_grad():
+            for name, p in teacher.named_parameters():
+                if isinstance(p, DTensor):
+                    local = p.to_local()
+                    a, b = par.rows(p.shape[0])
+                    if local.shape[0] != b - a:
+                        raise RuntimeError(f"{name}: FSDP2 holds {local.shape[0]} rows on rank {par.rank}, "
+                                           f"expected {b - a}")
+                    local.copy_(reader.get_rows(name, a, b).to(local.dtype))
+                else:
+                    p.copy_(reader.get(name).to(p.dtype))
+    finally:
+        reader.close()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    return teacher.eval()
+
+
 def real_windows(src_path: Path, sources, seq: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Every window of the real texts; the last windows of each (after those the carve calibrated on) held out."""
     from .calibrate import text_windows
@@ -387,17 +475,24 @@ def sampled_windows(teacher, real: torch.Tensor, n_windows: int, seed: int, fold
     prompts = torch.stack([w[o:o + n_prompt] for w, o in zip(starts, offs)])
     folder.mkdir(exist_ok=True)
     n_batches = -(-n_windows // SAMPLE_BATCH)
-    for b in range(par.rank, n_batches, par.world):
+    for first in range(0, n_batches, par.world):  # rounds: every rank samples (or idles) in step with the others
+        b = first + par.rank
         f = folder / f"batch-{b:05d}.safetensors"
-        if not f.is_file():
+        mine = b < n_batches and not f.is_file()
+        if par.on and not par.any(mine):
+            continue
+        if mine:
             batch = prompts[b * SAMPLE_BATCH:(b + 1) * SAMPLE_BATCH]
             windows, hidden = sample_text(teacher, batch, seq - n_prompt, seed * 100_003 + b, batch=SAMPLE_BATCH,
                                           keep_hidden=True)
             _atomic_save({"windows": windows.contiguous(), "hidden": hidden.contiguous()}, f)
             del windows, hidden
             release_memory()  # the sampling's KV cache
+        else:  # the sharded teacher gathers each layer from every rank: a rank with nothing to do runs as many
+            sample_text(teacher, prompts[:1], seq - n_prompt, 0, batch=1, keep_hidden=True)  # forwards, 1 window
         if progress:
-            progress("sampling tuning text", min((b + 1) * SAMPLE_BATCH, n_windows) * seq, n_windows * seq)
+            progress("sampling tuning text", min(first + par.world, n_batches) * SAMPLE_BATCH * seq,
+                     n_batches * SAMPLE_BATCH * seq)
     par.barrier()
     return torch.cat([load_file(str(folder / f"batch-{b:05d}.safetensors"))["windows"] for b in range(n_batches)])
 
@@ -456,19 +551,24 @@ def teacher_pass(root: Path, teacher, train: torch.Tensor, held: torch.Tensor, t
     dev = next(teacher.parameters()).device
     ctx = _autocast(str(dev), settings.autocast)[0]
     done_tokens, total_tokens = 0, sum(len(idx) for _, idx in jobs) * seq
-    for b, (kind, idx) in enumerate(jobs):
+    for first in range(0, len(jobs), par.world):  # rounds of one job a rank, in step (the teacher may be sharded)
+        b = first + par.rank
+        kind, idx = jobs[b] if b < len(jobs) else ("none", torch.empty(0, dtype=torch.long))
         f = folder / f"batch-{b:05d}.safetensors"
-        if b % par.world == par.rank and not f.is_file() and len(idx):
-            windows = (held if kind == "held" else train)[idx]
-            # float32, and batched as the loop would run them (held-out windows a step's worth at a time, training
-            # windows one micro-batch at a time): the targets are the very values the teacher in the loop computes
-            size = per_step if kind == "held" else max(1, settings.micro_windows)
-            with torch.no_grad(), ctx:
-                hidden = torch.cat([final_hidden(teacher, windows[s:s + size].to(dev)).float().cpu()
-                                    for s in range(0, len(idx), size)])
-            _atomic_save({"index": idx.contiguous(), "hidden": hidden.contiguous()}, f)
-        done_tokens += len(idx) * seq
-        if progress and b % par.world == par.rank:
+        # float32, and batched as the loop would run them (held-out windows a step's worth at a time, training
+        # windows one micro-batch at a time): the targets are the very values the teacher in the loop computes
+        size = per_step if kind == "held" else max(1, settings.micro_windows)
+        todo = [] if f.is_file() or not len(idx) else list(range(0, len(idx), size))
+        rounds = par.most(len(todo)) if par.on else len(todo)
+        with torch.no_grad(), ctx:
+            windows = (held if kind == "held" else train)[idx] if todo else None
+            hidden = [final_hidden(teacher, windows[s:s + size].to(dev)).float().cpu() for s in todo]
+            for _ in range(rounds - len(todo)):  # as many forwards as the busiest rank (one token each)
+                final_hidden(teacher, train[:1, :1].to(dev))
+        if todo:
+            _atomic_save({"index": idx.contiguous(), "hidden": torch.cat(hidden).contiguous()}, f)
+        done_tokens += sum(len(j[1]) for j in jobs[first:first + par.world]) * seq
+        if progress:
             progress("teacher targets", done_tokens, total_tokens)
     if par.main:
         (folder / "complete.json").write_text(json.dumps({"real_windows": len(real), "held_out": int(held.shape[0])}))
@@ -547,18 +647,69 @@ def _partition(entry: dict, cfg: ConvertConfig) -> Partition:
                      int(entry["expert_sizes"][0]))
 
 
-def build_student(teacher, base: BaseOutput, reader: CheckpointReader, device: str):
+def _shallow(module: torch.nn.Module) -> torch.nn.Module:
+    """A new module object with the same children, parameters and buffers (none of them copied)."""
+    twin = copy.copy(module)
+    for k, v in module.__dict__.items():  # its own registries (children, parameters, buffers, hooks): a hook
+        if isinstance(v, (dict, set)):    # registered on one (FSDP2's, say) is not registered on the other
+            twin.__dict__[k] = copy.copy(v)
+    return twin
+
+
+def local_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the module's parameters this process holds (its shards of sharded ones)."""
+    from torch.distributed.tensor import DTensor
+
+    return sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in module.parameters())
+
+
+def _is_sharded(module: torch.nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def _own_attention(layer, i: int, config, device: str) -> None:
+    """Give the student's decoder layer its own attention and norms, copies of the teacher's (which the layer holds
+    until now). A sharded attention (load_teacher across processes) is gathered into a fresh module: the copy is
+    then sharded with the student's layer."""
+    from .parallel import full
+
+    for name in ("input_layernorm", "post_attention_layernorm"):
+        setattr(layer, name, copy.deepcopy(getattr(layer, name)))
+    attn = layer.self_attn
+    if not _is_sharded(attn):
+        layer.self_attn = copy.deepcopy(attn)
+        return
+    with torch.device("meta"):
+        fresh = type(layer)(config, i).self_attn
+    fresh.to_empty(device=device)
+    theirs = dict(attn.named_parameters())
+    with torch.no_grad():
+        for name, p in fresh.named_parameters():
+            p.copy_(full(theirs[name].detach()))  # a collective: every rank gathers the same tensors in order
+    layer.self_attn = fresh
+
+
+def build_student(teacher, base: BaseOutput, reader: CheckpointReader, device: str, train_attention: bool = False):
     """The dense model with every carved layer's FFN replaced by a MaskedMoE holding OUT's experts (un-permuted to
     the dense neuron order) and router (its scale folded in: log scale 0); layers whose attention an earlier run
-    tuned take OUT's attention and norms. Returns (student, those layers)."""
+    tuned take OUT's attention and norms. The student is the teacher's module tree down to its decoder layers, new
+    objects holding the teacher's own modules (nothing is copied: the model is not held twice, even for a moment),
+    except the FFNs it replaces and, where it trains or an earlier run tuned them, its own attention and norms.
+    Returns (student, the layers whose attention an earlier run tuned)."""
     from .convert import unpermute_ffn
     from .distill import MaskedMoE
 
     cfg, fmt = base.cfg, base.fmt
-    student = copy.deepcopy(teacher)
+    student = _shallow(teacher)
+    student.model = _shallow(teacher.model)
+    student.model.layers = torch.nn.ModuleList([_shallow(layer) for layer in teacher.model.layers])
     own_attention = set()
     for entry in base.report["layers"]:
         i = entry["layer"]
+        if train_attention or entry.get("attention_tuned"):
+            _own_attention(student.model.layers[i], i, teacher.config, device)
         if entry.get("attention_tuned"):
             own_attention.add(i)
             with torch.no_grad():
@@ -566,6 +717,8 @@ def build_student(teacher, base: BaseOutput, reader: CheckpointReader, device: s
                     w = student.get_submodule(f"model.layers.{i}.{name}").weight
                     w.copy_(reader.get(f"model.layers.{i}.{name}.weight").to(w.dtype))
         if entry.get("dense"):
+            if not _is_sharded(teacher.model.layers[i].mlp):  # its own frozen copy: share_frozen may store the
+                student.model.layers[i].mlp = copy.deepcopy(teacher.model.layers[i].mlp)  # teacher's in bf16
             continue
         names = ffn_tensor_names(fmt, i, cfg.experts, False, cfg.shared > 0)
         tensors = {n: reader.get(n) for n in names}
@@ -576,17 +729,23 @@ def build_student(teacher, base: BaseOutput, reader: CheckpointReader, device: s
     return student, own_attention
 
 
-def gather_student(student) -> None:
-    """After a sharded run: every sharded tensor (the MaskedMoEs', and with --tune-attention each layer's attention
-    and norms) replaced by the whole one (a collective), so the output is written from plain tensors."""
+def gather_student(student, teacher, keep: bool = True) -> None:
+    """After a sharded run: every sharded tensor of the student's own (the MaskedMoEs', and with --tune-attention
+    each layer's attention and norms; not the teacher's modules it shares) replaced by the whole one in host memory
+    (a collective, one tensor at a time), so the output is written from plain tensors. keep False (the ranks that do
+    not write the output): the gathered tensors are dropped as they come."""
     from torch.distributed.tensor import DTensor
 
     from .parallel import full
 
+    theirs = {id(p) for p in teacher.parameters()}
     for m in student.modules():
         for name, p in list(m.named_parameters(recurse=False)):
-            if isinstance(p, DTensor):
-                m._parameters[name] = torch.nn.Parameter(full(p.detach()).clone(), requires_grad=False)
+            if isinstance(p, DTensor) and id(p) not in theirs:
+                whole = full(p.detach())
+                value = whole.cpu().clone() if keep else torch.empty(0)
+                del whole
+                m._parameters[name] = torch.nn.Parameter(value, requires_grad=False)
 
 
 def _base_layout(reader: CheckpointReader) -> ShardLayout:
@@ -698,8 +857,6 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
     teacher runs on the real windows inside the loop (the path before the teacher pass; kept for comparison).
     resume: continue the interrupted run saved in OUT.moeify-tune (opts None: its own; `given`, the options the
     caller set explicitly, must agree with it). restart: discard such a state and start anew."""
-    from transformers import AutoModelForCausalLM
-
     from .distill import DistillSettings, MaskedMoE, _autocast, distill, share_frozen
     from .families import load_source
     from .parallel import setup
@@ -791,12 +948,11 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
     if not par.main:
         progress = notify = None  # rank 0 reports
     dev = par.device
-    try:
-        teacher = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, local_files_only=True,
-                                                       use_safetensors=True, trust_remote_code=False).to(dev).eval()
-    except OSError as exc:
-        raise MoeifyError(f"tuning cannot load {src} ({exc.__class__.__name__})",
-                          "tuning needs the source's safetensors weights") from None
+    if par.on and not precompute_targets:
+        raise ValueError("across processes the teacher is sharded and runs in step on every rank: only the teacher "
+                         "pass (precompute_targets) can run it")
+    teacher = load_teacher(src, dev, par)
+    teacher_bytes = local_bytes(teacher)
     seq = int(bo.report.get("calibration", {}).get("seq_len") or min(cfg.calib_seq_len, teacher.config.max_position_embeddings))
     train, held, text, targets = tuning_data(root, src, bo, opts, seq, seed, teacher, progress, par)
     settings = DistillSettings(tokens=opts.tokens, lr=opts.lr, train_router=opts.train_router,
@@ -807,10 +963,10 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
         free_teacher_ffns(teacher, bo)
         release_memory()
     reader = CheckpointReader(base)
-    student, own_attention = build_student(teacher, bo, reader, dev)
-    share_frozen(teacher, student, opts.train_attention,
-                 torch.bfloat16 if _autocast(dev, settings.autocast)[1] else None, own_attention=own_attention)
-    release_memory()  # the student's copies of what it now shares
+    student, own_attention = build_student(teacher, bo, reader, dev, opts.train_attention)
+    lowp = torch.bfloat16 if _autocast(dev, settings.autocast)[1] and not par.on else None  # (a sharded teacher's
+    share_frozen(teacher, student, opts.train_attention, lowp, own_attention=own_attention)  # FFNs stay as loaded)
+    release_memory()
     if offload:
         from .parallel import with_offload
 
@@ -829,12 +985,13 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
             info = distill(teacher, student, train, held, settings, progress=progress, state=state, resume=saved,
                            targets=targets, par=par, held_targets=held_targets)
         if par.sharded:
-            gather_student(student)
+            gather_student(student, teacher, keep=par.main)
     except BaseException:
         if par.own_group:
             par.close()
         raise
     info["offload"] = bool(offload)
+    info["teacher_bytes"] = teacher_bytes  # this process's share of the teacher, as loaded (rank 0's)
     info["peak_bytes"], info["peak_what"] = _peak_memory(dev)
     info = {"scope": "model", "lr": opts.lr, "seed": seed, "text": text, "resumed": saved is not None,
             "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), **info}
@@ -865,8 +1022,6 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
     (the first is a warm-up) and the sampling of one batch of short continuations, and measure the peak memory.
     Writes nothing. Returns the measured rates, the estimated time of the whole run and the memory model's
     prediction (moeify.memory)."""
-    from transformers import AutoModelForCausalLM
-
     from .distill import DistillSettings, _autocast, distill, final_hidden, sample_text, share_frozen
 
     src, out = Path(src), Path(out)
@@ -884,8 +1039,7 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
         raise MoeifyError(f"output {out} not found", "pass the directory `moeify convert` wrote")
     bo = read_output(base)
     dev = resolve_device(device)
-    teacher = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, local_files_only=True,
-                                                   use_safetensors=True, trust_remote_code=False).to(dev).eval()
+    teacher = load_teacher(src, dev)
     seq = int(bo.report.get("calibration", {}).get("seq_len") or teacher.config.max_position_embeddings)
     real, held, _ = real_windows(src, _text_sources(bo, opts), seq)
     n_prompt = min(16, seq // 4)
@@ -908,7 +1062,7 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
     free_teacher_ffns(teacher, bo)
     release_memory()
     reader = CheckpointReader(base)
-    student, own_attention = build_student(teacher, bo, reader, dev)
+    student, own_attention = build_student(teacher, bo, reader, dev, opts.train_attention)
     reader.close()
     share_frozen(teacher, student, opts.train_attention,
                  torch.bfloat16 if _autocast(dev, settings.autocast)[1] else None, own_attention=own_attention)

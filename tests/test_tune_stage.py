@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from conftest import build_dense, load
 from moeify.config import build_config
@@ -314,20 +315,21 @@ def test_memory_model_counts_what_tuning_holds(carved):
     dense, carve = carved
     bo = read_output(carve)
     teacher = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
+    loaded = sum(p.numel() * p.element_size() for p in teacher.parameters())
+    ffn_bytes = sum(p.numel() * p.element_size() for layer in teacher.model.layers for p in layer.mlp.parameters())
     reader = CheckpointReader(carve)
     student, own = build_student(teacher, bo, reader, "cpu")
     reader.close()
     share_frozen(teacher, student, False, torch.bfloat16, own)
     model = source_tuning_memory(load_source(dense), bo.cfg.experts, bf16=True)
-    assert model.teacher == sum(p.numel() * p.element_size() for p in teacher.parameters())
+    assert model.teacher == loaded  # float32 as loaded: the sampling and the teacher pass run it so
     shared = {id(p) for p in teacher.parameters()}
     own_params = [p for p in student.parameters() if id(p) not in shared]
     trainable = sum(p.numel() for m in student.modules() if isinstance(m, MaskedMoE) for p in m.parameters())
     assert sum(p.numel() for p in own_params) == trainable  # every layer carved: the student owns only its MoEs
     assert model.student == 4 * 4 * trainable  # weights, gradients, two Adam moments, float32
-    ffn_bytes = sum(p.numel() * p.element_size() for layer in teacher.model.layers for p in layer.mlp.parameters())
     on_gpu = source_tuning_memory(load_source(dense), bo.cfg.experts, bf16=True, device="cuda")
-    assert on_gpu.teacher_freed == ffn_bytes  # the teacher pass frees them (bf16 here) before tuning, on a GPU
+    assert on_gpu.teacher_freed == ffn_bytes  # the teacher pass frees them before tuning, on a GPU
     assert on_gpu.tuning_peak == (on_gpu.teacher - ffn_bytes + on_gpu.student + on_gpu.activations + on_gpu.kl)
     assert model.teacher_freed == 0  # on a CPU they stay mapped from the safetensors file
 
@@ -362,6 +364,13 @@ def test_two_processes_with_fsdp2_train_what_one_process_trains(carved, tmp_path
         assert kb == pytest.approx(ka, rel=1e-4)
     _assert_trained_alike(tmp_path / "one", tmp_path / "two", carve)  # untrained tensors: bit-identical
     assert verify_checkpoint(tmp_path / "two", against=dense).problems == []
+    # the teacher was sharded, not replicated: rank 0 held half the rows of every layer's attention and FFN weights
+    teacher = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32)
+    assert ra["teacher_bytes"] == sum(p.nbytes for p in teacher.parameters())
+    assert rb["teacher_bytes"] == sum(
+        -(-p.shape[0] // 2) * p[0].nbytes if ".self_attn." in n or ".mlp." in n else p.nbytes
+        for n, p in teacher.named_parameters())
+    assert rb["teacher_bytes"] < 0.8 * ra["teacher_bytes"]
 
 
 def test_teacher_pass_frees_the_teachers_ffns_and_trains_what_the_teacher_in_the_loop_trains(carved, tmp_path,
@@ -479,10 +488,31 @@ def test_plan_prints_the_tuning_memory(carved):
     rows = json.loads(res.stdout[res.stdout.index("{"):])["tuning_memory"]
     assert [(r["device"], r["processes"], r.get("offload", False)) for r in rows] == [
         ("cpu", 1, False), ("cuda", 1, False), ("cuda", 1, True), ("cuda", 2, False), ("cuda", 4, False),
-        ("cuda", 8, False)]
+        ("cuda", 8, False), ("cuda", 8, True)]
     assert rows[0]["peak"] == source_tuning_memory(load_source(dense), 4).peak
-    assert rows[1]["peak"] >= rows[3]["peak"] >= rows[5]["peak"]  # sharding the student's state helps
-    assert rows[2]["host"] > 0 and rows[2]["peak"] <= rows[1]["peak"]  # the tiny model: its sampling is the peak
+    assert rows[1]["peak"] > rows[3]["peak"] > rows[5]["peak"]  # sharding the teacher and the student's state helps
+    assert rows[2]["host"] > rows[1]["host"] > 0 and rows[2]["peak"] <= rows[1]["peak"]  # + the offloaded state
+    assert rows[6]["peak"] <= rows[5]["peak"] and rows[6]["host"] == rows[2]["host"]  # the state, split 8 ways
+
+
+def test_the_memory_model_shards_the_teacher_across_processes():
+    """Across processes every decoder layer's attention and FFN of the teacher is split (FSDP2), so the per-process
+    peak of a 70B model falls with the GPU count, and 8 x 80 GB GPUs fit it offloaded (README "Tuning an 8B / 70B
+    model"); a refused run names the layout that fits."""
+    from moeify.memory import GPU_COUNTS, tuning_memory
+
+    llama70b = dict(hidden=8192, d_ff=28672, n_layers=80, heads=64, kv_heads=8, head_dim=128, vocab=128256,
+                    tied=False, experts=42, bf16=True, device="cuda")
+    one = tuning_memory(**llama70b)
+    proj, ffn, embed = 8192 * 8192 * 2 + 8192 * 1024 * 2, 3 * 8192 * 28672, 2 * 128256 * 8192 + 8192
+    assert one.teacher == 4 * (embed + 80 * (proj + 2 * 8192 + ffn))
+    for g in GPU_COUNTS[1:]:
+        m = tuning_memory(**llama70b, world=g)
+        assert m.teacher == 4 * (embed + 80 * 2 * 8192) + -(-4 * 80 * (proj + ffn) // g) + 2 * 4 * ffn
+        assert m.teacher_freed == -(-4 * 80 * ffn // g)
+    eight = tuning_memory(**llama70b, world=8, offload=True)
+    assert eight.peak < 80e9 < tuning_memory(**llama70b, world=8).peak
+    assert eight.host_total == eight.host * 8 + eight.save_host
 
 
 def test_outputs_that_cannot_be_tuned_are_refused_clearly(carved, tmp_path):
