@@ -34,6 +34,7 @@ import math
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -252,6 +253,22 @@ def set_step_hook(hook) -> None:
     _STEP_HOOK = hook
 
 
+@dataclass(frozen=True)
+class Pending:
+    """A tensor of a saved state, produced when it is written (moeify.tune.TuningState writes one at a time, so the
+    writer never holds the whole state in host memory): produce() gathers it (a collective across processes: every
+    rank calls it, in the same order) and returns it whole on the writing rank, None on the others."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    produce: Callable[[], torch.Tensor | None]
+
+
+def materialize(tensors: dict) -> dict[str, torch.Tensor]:
+    """The tensors of a state, Pending ones produced (one process)."""
+    return {k: v.produce() if isinstance(v, Pending) else v for k, v in tensors.items()}
+
+
 class _TempKeeper:
     """Where a run that saves no state (a library call without a state directory) keeps its best checked weights: a
     temporary file, on disk rather than in memory."""
@@ -260,8 +277,8 @@ class _TempKeeper:
         self._dir = tempfile.TemporaryDirectory(prefix="moeify-distill-")
         self._file = f"{self._dir.name}/kept.safetensors"
 
-    def keep(self, tensors: dict[str, torch.Tensor], step: int) -> None:
-        save_file(tensors, self._file)
+    def keep(self, tensors: dict, step: int) -> None:
+        save_file(materialize(tensors), self._file)
 
     def kept(self) -> dict[str, torch.Tensor]:
         return load_file(self._file)
@@ -366,8 +383,11 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
         whole = full(t.detach())  # rank takes part), kept in host memory by rank 0 only (the rank that saves it)
         return whole.contiguous().cpu() if par.main else None
 
-    def trainable() -> dict[str, torch.Tensor]:
-        return {k: v for k, v in ((f"param.{j}", host(p)) for j, p in enumerate(params)) if v is not None}
+    def pending(t: torch.Tensor) -> Pending:  # gathered when it is written, one tensor at a time
+        return Pending(tuple(t.shape), t.dtype, lambda t=t: host(t))
+
+    def trainable() -> dict[str, Pending]:
+        return {f"param.{j}": pending(p) for j, p in enumerate(params)}
 
     stream = WindowStream(train, settings.seed)
     checks = sorted({max(1, round(total * (i + 1) / settings.evals)) for i in range(settings.evals)})
@@ -388,9 +408,7 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
         opt_state = opt.state_dict()
         for i, st in opt_state["state"].items():
             for k, v in st.items():
-                v = host(v)
-                if v is not None:
-                    tensors[f"opt.{i}.{k}"] = v
+                tensors[f"opt.{i}.{k}"] = pending(v)
         stream_t, stream_m = stream.state()
         tensors.update(stream_t)
         meta = {"step": step, "total": total, "base_lrs": base_lrs, "param_groups": opt_state["param_groups"],

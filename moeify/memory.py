@@ -28,8 +28,8 @@ With offload (FSDP2 CPU offload, a GPU run) the student's tensors, gradients and
 (`host`, per process), and the GPU holds the weights and gradients of about two carved layers at a time (the one
 computing and the one FSDP2 fetches next), in float32. Saving the run's state (every 10 minutes, and the best
 checked weights) gathers the trainable tensors and Adam's moments whole into the host memory of the process that
-writes them (`save_host`: rank 0, a GPU or a run across processes; in one CPU process they are the tensors
-themselves).
+writes them, one tensor at a time, written as it comes (`save_host`: the largest one, on rank 0; a GPU or a run
+across processes; in one CPU process they are the tensors themselves).
 The prediction is the larger of the sampling and tuning phases. scripts/bench_memory.py holds it against the measured
 peak (RSS on CPU, torch.cuda.max_memory_allocated on a GPU); BENCHMARKS.md "Tuning memory" has the numbers.
 """
@@ -51,7 +51,7 @@ class TuneMemory:
     baseline: int
     host: int = 0  # host memory of an offloaded run (the student's state), per process, besides the device's peak
     teacher_freed: int = 0  # the teacher's carved FFNs, freed after the teacher pass (not held while tuning)
-    save_host: int = 0  # host memory of the writing process while it saves the run's state (whole tensors)
+    save_host: int = 0  # host memory of the writing process while it saves the run's state (one whole tensor)
     world: int = 1
 
     @property
@@ -111,7 +111,7 @@ def tuning_memory(*, hidden: int, d_ff: int, n_layers: int, heads: int, kv_heads
     if offload and device != "cpu":  # on a CPU the "host" is the device: nothing moves
         host = student - own_dense
         student = 2 * 2 * 4 * (ffn + experts * h + 1) + own_dense
-    save_host = 3 * 4 * trainable if (device != "cpu" or sharded) else 0  # weights and both moments, whole
+    save_host = 4 * max(h * f, h * heads * head_dim) if (device != "cpu" or sharded) else 0  # one tensor, whole
     act_bytes = 2 if bf16 else 4
     tokens = seq * micro_windows
     activations = tokens * L * (6 * f + 10 * h) * act_bytes + tokens * h * 4 * 2  # + final hidden and its gradient

@@ -1,9 +1,11 @@
 """Tuning across processes: torch.distributed with FSDP2, launched by torchrun (or `accelerate launch`).
 
-`torchrun --nproc-per-node G -m moeify tune SRC OUT ...` starts G processes; each holds the teacher (replicated),
-and the student's trainable tensors (every carved layer's MaskedMoE: experts, router, temperature), their gradients
-and Adam moments are sharded across the processes by FSDP2 (`fully_shard`, which gathers a layer's weights for its
-forward and backward and reduce-scatters the gradients). Each optimizer step's windows are split across the ranks
+`torchrun --nproc-per-node G -m moeify tune SRC OUT ...` starts G processes. The teacher is sharded across them
+(moeify.tune.load_teacher: every decoder layer's attention and FFN an FSDP2 group, each rank reading its own rows;
+the embeddings, head and norms whole on every rank), and so are the student's trainable tensors (every carved
+layer's MaskedMoE: experts, router, temperature), their gradients and Adam moments (FSDP2's `fully_shard`, which
+gathers a group's weights for its forward and backward and reduce-scatters the gradients). Every forward of the
+teacher gathers from all ranks, so its sampling and teacher pass run in step on every rank. Each optimizer step's windows are split across the ranks
 (window r, r + G, ... to rank r), so a step sees the same windows as in one process and the gradient FSDP2 averages
 is the one-process gradient. Rank 0 writes files (run state, the tuned output); collectives keep the ranks in step.
 The backend is NCCL on GPUs (one per process, LOCAL_RANK) and gloo on CPUs. Nothing here moves data by hand: the

@@ -45,8 +45,8 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
-from .checkpoint import (INDEX_NAME, CheckpointReader, ShardLayout, ShardWriter, check_free_space, commit_output,
-                         prepare_output)
+from .checkpoint import (INDEX_NAME, CheckpointReader, ShardLayout, ShardWriter, TensorInfo, check_free_space,
+                         commit_output, prepare_output)
 from .config import ConvertConfig, build_config, config_to_toml
 from .errors import MoeifyError
 from .families import ATTENTION_TENSORS, TOKENIZER_FILES, ffn_tensor_names
@@ -214,6 +214,37 @@ def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     os.replace(tmp, path)
 
 
+def _stream_save(tensors: dict, path: Path, write: bool) -> None:
+    """Save a state's tensors (moeify.distill.Pending ones produced one at a time, in order, on every rank) to
+    `path` atomically, streaming: the writer holds one whole tensor at a time, never the state. write False: only
+    take part in the gathering."""
+    from .distill import Pending
+
+    writer = tmp = None
+    if write:
+        tmp = path.with_name(path.name + ".writing")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        infos = [TensorInfo(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()]
+        writer = ShardWriter(tmp, ShardLayout([infos]))
+    try:
+        for k, v in tensors.items():
+            value = v.produce() if isinstance(v, Pending) else v
+            if writer is not None:
+                writer.write(k, value)
+            del value
+        if writer is not None:
+            writer.finish()
+            os.replace(tmp / "model.safetensors", path)
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 class SavedTensors:
     """The tensors of a saved safetensors file, each read when it is asked for (a resumed or finishing run reads one
     tensor at a time into its shard, not the whole state at once: across processes every rank reads it)."""
@@ -255,10 +286,9 @@ class TuningState:
         self._best: str | None = None
         self._last = time.time()
 
-    def keep(self, tensors: dict[str, torch.Tensor], step: int) -> None:
+    def keep(self, tensors: dict, step: int) -> None:
         name = f"best-{step}.safetensors"
-        if self.par.main:
-            _atomic_save(tensors, self.root / name)
+        _stream_save(tensors, self.root / name, self.par.main)  # on every rank: the gathering is a collective
         self._best = name
 
     def kept(self) -> SavedTensors:
@@ -278,8 +308,8 @@ class TuningState:
         tensors, meta = snapshot()  # on every rank: gathering sharded tensors is a collective
         meta["best_file"] = self._best
         name = f"state-{step}.safetensors"
+        _stream_save(tensors, self.root / name, self.par.main)
         if self.par.main:
-            _atomic_save(tensors, self.root / name)
             _atomic_write(self.root / "state.json", json.dumps({"version": STATE_VERSION, "file": name,
                                                                 "meta": meta}).encode())
             for f in self.root.glob("*.safetensors"):

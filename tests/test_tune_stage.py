@@ -373,6 +373,66 @@ def test_two_processes_with_fsdp2_train_what_one_process_trains(carved, tmp_path
     assert rb["teacher_bytes"] < 0.8 * ra["teacher_bytes"]
 
 
+class _OtherRankBusier:
+    """A Parallel of rank 1 of 2 whose other rank always has `extra` more forwards to run (no process group: the
+    collectives answer as that rank would)."""
+
+    world, rank, on, main, sharded = 2, 1, True, False, False
+
+    def __init__(self, extra: int):
+        self.extra = extra
+
+    def most(self, n: int) -> int:
+        return n + self.extra
+
+    def any(self, flag: bool) -> bool:
+        return True
+
+    def barrier(self) -> None:
+        pass
+
+
+def test_teacher_pass_and_sampling_run_in_step_with_the_busiest_rank(carved, tmp_path):
+    """Across processes every teacher forward gathers the sharded layers from every rank, so each rank runs as many
+    forwards as the busiest one: rank 1 computes only its own batches and pads every round with one-token (teacher
+    pass) or one-window (sampling) forwards up to the other rank's count."""
+    from moeify.distill import DistillSettings
+    from moeify.tune import SAMPLE_BATCH, TARGET_BATCH, _atomic_save, drawn_windows, sampled_windows, teacher_pass
+
+    dense, _ = carved
+    teacher = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
+    calls = []
+    teacher.model.embed_tokens.register_forward_hook(lambda m, args, out: calls.append(tuple(args[0].shape)))
+    gen = torch.Generator().manual_seed(0)
+    train, held = torch.randint(0, 64, (40, 16), generator=gen), torch.randint(0, 64, (3, 16), generator=gen)
+    settings = DistillSettings(tokens=40 * 16, seed=0, micro_windows=1, batch_tokens=4 * 16)
+    real = drawn_windows(40, 0, 4, 10)
+    n_jobs = 1 + -(-len(real) // TARGET_BATCH)  # the held-out windows, then the drawn real ones 16 at a time
+    root = tmp_path / "state"
+    root.mkdir()
+    targets, held_t = teacher_pass(root, teacher, train, held, None, settings, None, _OtherRankBusier(2))
+    files = sorted(int(f.name[6:11]) for f in (root / "targets").glob("batch-*.safetensors"))
+    assert files == list(range(1, n_jobs, 2))  # rank 1's jobs only
+    own = sum(len(load_file(str(root / "targets" / f"batch-{b:05d}.safetensors"))["index"]) for b in files)
+    assert calls.count((1, 16)) == own  # one window a forward, as the loop batches them
+    assert calls.count((1, 1)) == 2 * -(-n_jobs // 2)  # every round padded to the busier rank's count
+    assert len(calls) == own + 2 * -(-n_jobs // 2) and held_t.numel() == 0  # the held-out job is rank 0's
+
+    folder, window = root / "sampled", {"windows": torch.zeros(1, 16, dtype=torch.long),
+                                        "hidden": torch.zeros(1, 16, 8, dtype=torch.float16)}
+    folder.mkdir()
+    _atomic_save(window, folder / "batch-00000.safetensors")  # rank 0's batch
+    steps = [(1, 4)] + [(1, 1)] * 12  # a prompt of 4 tokens, then one forward per new token (and one more)
+    runs = []
+    for done in (False, True):
+        calls.clear()
+        if done:
+            _atomic_save(window, folder / "batch-00001.safetensors")  # rank 1's batch is done already
+        sampled_windows(teacher, train, SAMPLE_BATCH + 1, 0, folder, None, _OtherRankBusier(0))
+        runs.append(list(calls))
+    assert runs == [steps, steps]  # its own last window, then a one-window stand-in: the same forwards
+
+
 def test_teacher_pass_frees_the_teachers_ffns_and_trains_what_the_teacher_in_the_loop_trains(carved, tmp_path,
                                                                                           monkeypatch):
     """The teacher pass computes the teacher's targets of every real window the run draws (and of the held-out
@@ -532,3 +592,34 @@ def test_outputs_that_cannot_be_tuned_are_refused_clearly(carved, tmp_path):
     with pytest.raises(MoeifyError, match=r"--tokens must be a positive integer"):
         tune_output(dense, _copy(carve, tmp_path / "zero"), TuneOptions(tokens=0))
     assert not any(state_dir(p).exists() for p in (exact, old))
+
+
+def test_a_saved_state_is_written_one_tensor_at_a_time(tmp_path):
+    """The run's state is streamed to disk: each tensor is produced (gathered, across processes) when it is written
+    and dropped before the next, so the writing rank never holds the whole state; a rank that does not write takes
+    part in the gathering and writes nothing."""
+    import weakref
+
+    from moeify.distill import Pending
+    from moeify.tune import SavedTensors, _stream_save
+
+    alive, produced = [], []
+
+    def pending(i: int) -> Pending:
+        def produce():
+            assert all(ref() is None for ref in alive), "an earlier tensor is still held"
+            t = torch.full((1000,), float(i))
+            alive.append(weakref.ref(t))
+            produced.append(i)
+            return t
+        return Pending((1000,), torch.float32, produce)
+
+    tensors = {**{f"param.{i}": pending(i) for i in range(5)}, "stream.order": torch.arange(3)}
+    _stream_save(tensors, tmp_path / "state.safetensors", True)
+    saved = SavedTensors(tmp_path / "state.safetensors")
+    assert saved.keys() == set(tensors) and torch.equal(saved["stream.order"], torch.arange(3))
+    assert all(torch.equal(saved.pop(f"param.{i}"), torch.full((1000,), float(i))) for i in range(5))
+    assert "param.0" not in saved and [p.name for p in tmp_path.iterdir()] == ["state.safetensors"]
+    alive.clear()
+    _stream_save(tensors, tmp_path / "other.safetensors", False)
+    assert produced == [0, 1, 2, 3, 4] * 2 and not (tmp_path / "other.safetensors").exists()
