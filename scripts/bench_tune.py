@@ -6,7 +6,9 @@ Measured side by side in one process, interleaved (the machine is noisy; ratios 
 forward + backward with the usual next-token cross-entropy (what pretraining or a LoRA step costs), one tuning step
 of moeify.distill (teacher forward, student forward + backward, chunked KL, Adam) on a carved student (the layout of
 --experts/--top-k; the partition is random: the cost does not depend on it), the same step on sampled text whose
-teacher targets the sampling kept (no teacher forward), the mix of the two at --generated, and sampling 1,024 tokens of tuning
+teacher targets the sampling kept (no teacher forward), the mix of the two at --generated, the teacher pass (one
+teacher forward of a real window, computed once before tuning, so the loop runs only "targets kept" steps) and the
+loop plus the teacher pass at --generated (how `moeify tune` runs since the teacher pass), and sampling 1,024 tokens of tuning
 text from the dense model (moeify.distill.sample_text, batch 64, 112 new tokens after 16: shorter contexts than
 the 512 of real tuning windows, so a lower bound). Wall and CPU seconds for each.
 """
@@ -78,9 +80,15 @@ def main() -> None:
     ctx, bf16 = _autocast("cpu", DistillSettings(tokens=0).autocast)
     share_frozen(teacher, student, train_attention=False, lowp=torch.bfloat16 if bf16 else None)  # as convert does
 
-    def dense_step():
+    def dense_step():  # float32
         dense.zero_grad(set_to_none=True)
         dense(ids, labels=ids).loss.backward()
+
+    def dense_step_autocast():  # under the autocast tuning runs with (bf16 where the CPU or GPU has it)
+        dense.zero_grad(set_to_none=True)
+        with ctx:
+            loss = dense(ids, labels=ids).loss
+        loss.backward()
 
     settings = DistillSettings(tokens=0, micro_windows=args.micro_windows)
 
@@ -89,7 +97,7 @@ def main() -> None:
         accumulate_kl(teacher, student, ids, student.lm_head.weight, ctx, settings)
         opt.step()
 
-    with torch.no_grad():  # the teacher's targets, as the sampling keeps them for the text it samples (float16)
+    with torch.no_grad(), ctx:  # the teacher's targets, as the sampling keeps them for the text it samples (float16)
         kept = [h for h in final_hidden(teacher, ids).to(torch.float16)]
 
     def tune_step_kept():  # the same step on sampled windows: the teacher's forward is skipped
@@ -102,20 +110,33 @@ def main() -> None:
     def sample():
         sample_text(dense, prompts, 112, 0)  # 64 x 112 = 7 x 1,024 new tokens (convert samples before tuning)
 
+    def teacher_forward():  # the teacher pass: one float32 forward of a real window, once per window a run draws
+        with torch.no_grad(), ctx:
+            for w in ids.split(max(1, settings.micro_windows)):
+                final_hidden(teacher, w).float()
+
     rows = {}
-    for name, fn in (("dense forward + backward (CE)", dense_step), ("tuning step (KL distillation)", tune_step),
-                     ("tuning step, targets kept", tune_step_kept), ("sampling tuning text", sample)):
+    dense_rows = (("dense forward + backward (CE)", dense_step),) + (
+        (("dense fwd + bwd (CE), bf16 autocast", dense_step_autocast),) if bf16 else ())
+    for name, fn in dense_rows + (("tuning step (KL distillation)", tune_step),
+                     ("tuning step, targets kept", tune_step_kept), ("teacher pass (forward)", teacher_forward),
+                     ("sampling tuning text", sample)):
         w, c = timed(fn, args.repeats)
         rows[name] = (w / 7, c / 7) if fn is sample else (w, c)
     g = args.generated
     rows[f"tuning step, {g:.0%} sampled text"] = tuple(
         (1 - g) * a + g * b for a, b in zip(rows["tuning step (KL distillation)"], rows["tuning step, targets kept"]))
-    base = rows["dense forward + backward (CE)"][0]
+    # since session 23 the loop never runs the teacher: every step is a "targets kept" step, and the real windows a
+    # run draws cost one teacher forward each, once (the teacher pass; at most once per token when a run makes one
+    # pass or fewer over its real text, as the presets do)
+    rows[f"tuning + teacher pass, {g:.0%} sampled"] = tuple(
+        a + (1 - g) * b for a, b in zip(rows["tuning step, targets kept"], rows["teacher pass (forward)"]))
+    base = rows["dense fwd + bwd (CE), bf16 autocast" if bf16 else "dense forward + backward (CE)"][0]  # like for like
     print(f"{args.model.name}, {args.experts} experts top-{args.top_k}, {args.threads} thread(s), micro-batches of {args.micro_windows} window(s), bf16 autocast "
           f"{'on' if bf16 else 'off'}; per 1,024 tokens (median of {args.repeats})")
-    print(f"| {'what':32s} | wall s | CPU s | × dense fwd+bwd |\n|{'-' * 34}|-------:|------:|---:|")
+    print(f"| {'what':34s} | wall s | CPU s | × dense fwd+bwd{' (bf16)' if bf16 else ''} |\n|{'-' * 36}|-------:|------:|---:|")
     for name, (w, c) in rows.items():
-        print(f"| {name:32s} | {w:6.2f} | {c:5.2f} | {w / base:.2f} |")
+        print(f"| {name:34s} | {w:6.2f} | {c:5.2f} | {w / base:.2f} |")
     import resource
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
