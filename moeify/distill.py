@@ -31,6 +31,7 @@ Why these choices (BENCHMARKS.md, "Recovery tuning", has the measurements):
 from __future__ import annotations
 
 import math
+import os
 import tempfile
 import time
 from dataclasses import dataclass
@@ -65,6 +66,18 @@ class DistillSettings:
     seed: int = 0
 
 
+class Routing(torch.nn.Module):
+    """A MaskedMoE's router rows (E, d_model) and log temperature: the router logits, float32."""
+
+    def __init__(self, router: torch.Tensor, scale: float):
+        super().__init__()
+        self.router = torch.nn.Parameter(router.detach().float().clone())
+        self.log_scale = torch.nn.Parameter(torch.tensor([math.log(scale)], dtype=torch.float32))  # 1-d: FSDP2 shards it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float() @ (self.router * self.log_scale.exp()).T
+
+
 class MaskedMoE(torch.nn.Module):
     """A carved FFN as the exported MoE block computes it, in the dense neuron order.
 
@@ -78,11 +91,18 @@ class MaskedMoE(torch.nn.Module):
                  fmt: str = "mixtral", shared_gate: float | None = None):
         super().__init__()
         self.gate, self.up, self.down = (torch.nn.Parameter(t.detach().float().clone()) for t in (gate, up, down))
-        self.router = torch.nn.Parameter(router.detach().float().clone())
-        self.log_scale = torch.nn.Parameter(torch.tensor([math.log(scale)], dtype=torch.float32))  # 1-d: FSDP2 shards it
+        self.routing = Routing(router, scale)  # a module of its own: its own FSDP2 group, always float32
         self.register_buffer("labels", labels.clone())
         self.top_k, self.fmt, self.shared_gate = top_k, fmt, shared_gate
         self.dense_grad = False  # DenseMixer: the router's gradient as if every expert ran (forward unchanged)
+
+    @property
+    def router(self) -> torch.nn.Parameter:
+        return self.routing.router
+
+    @property
+    def log_scale(self) -> torch.nn.Parameter:
+        return self.routing.log_scale
 
     def exported_router(self) -> torch.Tensor:
         """The router rows the checkpoint stores (the scale folded in)."""
@@ -93,7 +113,7 @@ class MaskedMoE(torch.nn.Module):
         is 1."""
         n_exp = self.router.shape[0]
         with torch.autocast(x.device.type, enabled=False):
-            logits = x.float() @ (self.router * self.log_scale.exp()).T
+            logits = self.routing(x)
             probs = logits.softmax(-1)
             idx = logits.topk(self.top_k, dim=1).indices
             if self.fmt == "mixtral":  # every expert's weight were it chosen: renormalised over the top-k, times k
@@ -128,6 +148,10 @@ def bf16_fast(device: str) -> bool:
 
 
 def _autocast(device: str, mode: str):
+    """(the autocast context tuning runs under, whether it is on). mode auto: bf16 where the device computes it fast;
+    the environment variable MOEIFY_AUTOCAST (bf16 | off) overrides auto (tests of the bf16 path on any CPU)."""
+    if mode == "auto":
+        mode = os.environ.get("MOEIFY_AUTOCAST", "auto")
     on = mode == "bf16" or (mode == "auto" and bf16_fast(device))
     return torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=on), on
 

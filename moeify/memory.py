@@ -18,7 +18,11 @@ What `moeify/tune.py` holds while it tunes (moeify.distill; every term is a tens
 - the activations autograd keeps for the backward pass of one micro-batch (one window of seq tokens): per token and
   layer about 6 d_ff (the FFN's gate and up products, their activation and product, the mask and the masked
   product) plus 10 d (the norms, q/k/v/attention output and the FFN input) values, in float32, or half of that in
-  bf16 under autocast;
+  bf16 under autocast; and under autocast the bf16 copies of every trainable weight it casts, which autograd saves
+  for the backward pass (2 bytes a trainable parameter). Under FSDP2 (across processes, or offloaded) the experts
+  compute in bf16 by FSDP2's MixedPrecisionPolicy instead (moeify.parallel.Parallel.shard_moe: each layer's bf16
+  weights gathered for its forward and freed after it), so only trained attention is copied: autocast's copies
+  would outlive FSDP2's resharding, the whole student on every process;
 - the KL of one chunk: four (chunk, vocabulary) float32 tensors at once (logits, both log-softmaxes, the teacher's
   probabilities), and under bf16 autocast the output head's bf16 copy the gradient product uses;
 - the sampling of tuning text, before the student exists: the teacher, its KV cache for a batch of windows (float32:
@@ -115,6 +119,9 @@ def tuning_memory(*, hidden: int, d_ff: int, n_layers: int, heads: int, kv_heads
     act_bytes = 2 if bf16 else 4
     tokens = seq * micro_windows
     activations = tokens * L * (6 * f + 10 * h) * act_bytes + tokens * h * 4 * 2  # + final hidden and its gradient
+    if bf16:  # autocast's bf16 copies of the trainable weights it casts, saved for the backward pass; under FSDP2
+        fsdp = sharded or (offload and device != "cpu")  # (across processes, or offloaded) the experts compute in
+        activations += 2 * (L * attn if train_attention else 0) if fsdp else 2 * trainable  # bf16 by its policy
     kl = 4 * kl_chunk * vocab * 4 + (vocab * h * 2 if bf16 else 0)  # + the head's bf16 copy for the gradient
     sampling = sample_batch * seq * (L * 2 * kv_heads * head_dim * 4 + h * 4) + sample_batch * vocab * 4 * 2
     return TuneMemory(teacher, student, activations, kl, sampling, CPU_BASELINE if device == "cpu" else 0, host,

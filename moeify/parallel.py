@@ -88,16 +88,28 @@ class Parallel:
         c = -(-n // self.world)
         return min(n, self.rank * c), min(n, (self.rank + 1) * c)
 
-    def shard(self, module: torch.nn.Module) -> None:
+    def shard_moe(self, moe: torch.nn.Module, lowp: torch.dtype | None = None) -> None:
+        """FSDP2 for a student's MaskedMoE: its routing (router rows, temperature) a float32 group of its own, then
+        its experts. lowp (bf16, when tuning runs under bf16 autocast): the experts' group computes in lowp by
+        FSDP2's MixedPrecisionPolicy (float32 shards, optimizer and gradient reduction; each forward gathers the
+        lowp weights and frees them after it). Autocast would otherwise keep its own lowp copy of every gathered
+        weight for the backward pass: the whole student on every process."""
+        if self.mesh is None:
+            return
+        self.shard(moe.routing)
+        self.shard(moe, lowp)
+
+    def shard(self, module: torch.nn.Module, lowp: torch.dtype | None = None) -> None:
         """FSDP2 over all ranks for this module's parameters, offloaded to host memory with offload (no-op in one
         process without offload). Resharded after every forward, its own root included (FSDP2's default keeps a
         root's weights whole after forward: every MaskedMoE is a root, so a no-grad forward, the held-out check or
         the sampling, would leave the whole student gathered on every rank)."""
         if self.mesh is not None:
-            from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+            from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
             policy = CPUOffloadPolicy(pin_memory=self.device.startswith("cuda")) if self.offload else OffloadPolicy()
-            fully_shard(module, mesh=self.mesh, offload_policy=policy, reshard_after_forward=True)
+            mp = MixedPrecisionPolicy(param_dtype=lowp, reduce_dtype=torch.float32, cast_forward_inputs=False)
+            fully_shard(module, mesh=self.mesh, offload_policy=policy, reshard_after_forward=True, mp_policy=mp)
 
     def shard_frozen(self, module: torch.nn.Module) -> None:
         """FSDP2 over all ranks for a frozen module of the teacher (its attention, its FFN): each rank holds 1/world

@@ -1003,9 +1003,10 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
         par = with_offload(par)
     try:
         if par.sharded:
+            bf16 = _autocast(dev, settings.autocast)[1]
             for m in student.modules():
                 if isinstance(m, MaskedMoE):
-                    par.shard(m)
+                    par.shard_moe(m, torch.bfloat16 if bf16 else None)
             if opts.train_attention:  # each layer's own attention and norms: one FSDP2 group per decoder layer (its
                 for layer in student.model.layers:  # MaskedMoE is already a group of its own)
                     par.shard(layer)

@@ -69,11 +69,12 @@ def _assert_trained_alike(a: Path, b: Path, carve: Path, bound: float = 0.05) ->
             assert torch.equal(ta[name], tb[name]), name
 
 
-def _one_and_two_processes(dense: Path, carve: Path, tmp_path: Path, flags: list[str]) -> tuple[dict, dict]:
+def _one_and_two_processes(dense: Path, carve: Path, tmp_path: Path, flags: list[str],
+                           autocast: str = "auto") -> tuple[dict, dict]:
     """`moeify tune` of two copies of the carve, in one process and under torchrun with 2 CPU processes (gloo):
     (the run of each, as its report.json records it); the outputs are tmp_path/one and tmp_path/two."""
     one, two = _copy(carve, tmp_path / "one"), _copy(carve, tmp_path / "two")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MOEIFY_AUTOCAST": autocast}
     subprocess.run([sys.executable, "-m", "moeify", "tune", str(dense), str(one)] + flags, env=env, check=True,
                    capture_output=True)
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "moeify",
@@ -390,6 +391,20 @@ class _OtherRankBusier:
 
     def barrier(self) -> None:
         pass
+
+
+def test_two_processes_under_bf16_autocast_compute_the_experts_by_fsdp2s_mixed_precision(carved, tmp_path):
+    """Under bf16 autocast (forced here, on any CPU) the sharded experts compute in bf16 through FSDP2's
+    MixedPrecisionPolicy (no autocast copy of the whole student held for the backward pass), the routers in float32:
+    the same forward as one process's autocast, gradients reduced in float32, so the same held-out curve and
+    weights as one process (the same tolerance as in float32)."""
+    dense, carve = carved
+    ra, rb = _one_and_two_processes(dense, carve, tmp_path, ["--tokens", str(4 * 1024), "--tune-generated", "0.25",
+                                                             "--lr", "0.02"], autocast="bf16")
+    assert ra["bf16_autocast"] and rb["bf16_autocast"]
+    for (_, ka), (_, kb) in zip(ra["holdout_curve"], rb["holdout_curve"]):
+        assert kb == pytest.approx(ka, rel=1e-4)
+    _assert_trained_alike(tmp_path / "one", tmp_path / "two", carve)
 
 
 def test_teacher_pass_and_sampling_run_in_step_with_the_busiest_rank(carved, tmp_path):
