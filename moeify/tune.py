@@ -721,13 +721,16 @@ def _own_attention(layer, i: int, config, device: str) -> None:
     layer.self_attn = fresh
 
 
-def build_student(teacher, base: BaseOutput, reader: CheckpointReader, device: str, train_attention: bool = False):
+def build_student(teacher, base: BaseOutput, reader: CheckpointReader, device: str, train_attention: bool = False,
+                  shard_moe: Callable | None = None, shard_layer: Callable | None = None):
     """The dense model with every carved layer's FFN replaced by a MaskedMoE holding OUT's experts (un-permuted to
     the dense neuron order) and router (its scale folded in: log scale 0); layers whose attention an earlier run
     tuned take OUT's attention and norms. The student is the teacher's module tree down to its decoder layers, new
     objects holding the teacher's own modules (nothing is copied: the model is not held twice, even for a moment),
     except the FFNs it replaces and, where it trains or an earlier run tuned them, its own attention and norms.
-    Returns (student, the layers whose attention an earlier run tuned)."""
+    shard_moe / shard_layer (a sharded run): called on each MaskedMoE as it is built, and on each decoder layer with
+    its own attention at the end (its MaskedMoE already a group). Returns (student, the layers whose attention an
+    earlier run tuned)."""
     from .convert import unpermute_ffn
     from .distill import MaskedMoE
 
@@ -754,8 +757,17 @@ def build_student(teacher, base: BaseOutput, reader: CheckpointReader, device: s
         tensors = {n: reader.get(n) for n in names}
         gate, up, down = unpermute_ffn(tensors, _partition(entry, cfg), fmt, i, cfg)
         c = entry.get("shared_gate") if fmt == "qwen2_moe" else None
-        student.model.layers[i].mlp = MaskedMoE(gate, up, down, tensors[names[0]].float(), 1.0,
-                                                _partition(entry, cfg).labels(), cfg.top_k, fmt, c).to(device)
+        moe = MaskedMoE(gate, up, down, tensors[names[0]].float(), 1.0, _partition(entry, cfg).labels(), cfg.top_k,
+                        fmt, c)
+        del tensors, gate, up, down
+        student.model.layers[i].mlp = moe
+        if shard_moe is not None:  # sharded as it is built (FSDP2 moves it to the device, then each rank keeps
+            shard_moe(moe)         # its shard): no rank ever holds the whole student
+        else:
+            moe.to(device)
+    if shard_layer is not None:
+        for layer in student.model.layers:
+            shard_layer(layer)
     return student, own_attention
 
 
@@ -887,7 +899,7 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
     teacher runs on the real windows inside the loop (the path before the teacher pass; kept for comparison).
     resume: continue the interrupted run saved in OUT.moeify-tune (opts None: its own; `given`, the options the
     caller set explicitly, must agree with it). restart: discard such a state and start anew."""
-    from .distill import DistillSettings, MaskedMoE, _autocast, distill, share_frozen
+    from .distill import DistillSettings, _autocast, distill, share_frozen
     from .families import load_source
     from .parallel import setup
 
@@ -993,23 +1005,20 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
         free_teacher_ffns(teacher, bo)
         release_memory()
     reader = CheckpointReader(base)
-    student, own_attention = build_student(teacher, bo, reader, dev, opts.train_attention)
-    lowp = torch.bfloat16 if _autocast(dev, settings.autocast)[1] and not par.on else None  # (a sharded teacher's
-    share_frozen(teacher, student, opts.train_attention, lowp, own_attention=own_attention)  # FFNs stay as loaded)
-    release_memory()
+    bf16 = _autocast(dev, settings.autocast)[1]
     if offload:
         from .parallel import with_offload
 
         par = with_offload(par)
     try:
-        if par.sharded:
-            bf16 = _autocast(dev, settings.autocast)[1]
-            for m in student.modules():
-                if isinstance(m, MaskedMoE):
-                    par.shard_moe(m, torch.bfloat16 if bf16 else None)
-            if opts.train_attention:  # each layer's own attention and norms: one FSDP2 group per decoder layer (its
-                for layer in student.model.layers:  # MaskedMoE is already a group of its own)
-                    par.shard(layer)
+        sharded = par.sharded
+        student, own_attention = build_student(
+            teacher, bo, reader, dev, opts.train_attention,
+            shard_moe=(lambda m: par.shard_moe(m, torch.bfloat16 if bf16 else None)) if sharded else None,
+            shard_layer=par.shard if sharded and opts.train_attention else None)  # (its own attention and norms:
+        lowp = torch.bfloat16 if bf16 and not par.on else None  # one FSDP2 group a layer; a sharded teacher's FFNs
+        share_frozen(teacher, student, opts.train_attention, lowp, own_attention=own_attention)  # stay as loaded)
+        release_memory()
         state = TuningState(root, save_every, par)
         saved = state.load()
         with _stop_on_signal(state, notify):

@@ -638,3 +638,33 @@ def test_a_saved_state_is_written_one_tensor_at_a_time(tmp_path):
     alive.clear()
     _stream_save(tensors, tmp_path / "other.safetensors", False)
     assert produced == [0, 1, 2, 3, 4] * 2 and not (tmp_path / "other.safetensors").exists()
+
+
+def test_a_sharded_student_is_sharded_layer_by_layer_as_it_is_built(carved, monkeypatch):
+    """Across processes each MaskedMoE is handed to FSDP2 as soon as it is built, so no rank holds the whole
+    student's experts at once (a 70B student is 224 GB in float32)."""
+    import moeify.distill as distill_mod
+    from moeify.checkpoint import CheckpointReader
+    from moeify.tune import build_student, read_output
+
+    built, seen = [], []
+
+    class Recorded(distill_mod.MaskedMoE):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            built.append(self)
+
+    def shard_moe(moe):
+        seen.append((len(built), sum(getattr(m, "sharded", False) for m in built)))
+        moe.sharded = True
+
+    monkeypatch.setattr(distill_mod, "MaskedMoE", Recorded)
+    dense, carve = carved
+    teacher = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
+    reader = CheckpointReader(carve)
+    try:
+        student, _ = build_student(teacher, read_output(carve), reader, "cpu", shard_moe=shard_moe)
+    finally:
+        reader.close()
+    assert seen == [(i + 1, i) for i in range(len(teacher.model.layers))]  # each sharded before the next exists
+    assert [layer.mlp for layer in student.model.layers] == built
