@@ -159,6 +159,19 @@ def _index_str(flat: int, shape: tuple[int, ...]) -> str:
     return "[" + ", ".join(map(str, reversed(idx))) + "]"
 
 
+def _read_into(fh, start: int, tensor: torch.Tensor) -> torch.Tensor:
+    """Fill `tensor` with the file's bytes from offset `start` (plain reads: no mmap pages held); returns it."""
+    buf = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
+    fh.seek(start)
+    done = 0
+    while done < len(buf):
+        n = fh.readinto(buf[done:])
+        if not n:
+            raise OSError(f"file ends {len(buf) - done} bytes early")
+        done += n
+    return tensor
+
+
 class CheckpointReader:
     """Lazy access to the tensors of a checkpoint directory (single file or sharded).
 
@@ -312,17 +325,9 @@ class CheckpointReader:
             return self._checked(name, path, self.get(name)[start:stop].clone())
         tensor = torch.empty(shape, dtype=info.dtype)
         row = math.prod(info.shape[1:]) * tensor.element_size()
-        begin = self._span[name][0] + start * row
         try:
             with open(path, "rb", buffering=0) as fh:
-                fh.seek(begin)
-                buf = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
-                done = 0
-                while done < len(buf):
-                    n = fh.readinto(buf[done:])
-                    if not n:
-                        raise OSError(f"file ends {len(buf) - done} bytes early")
-                    done += n
+                _read_into(fh, self._span[name][0] + start * row, tensor)
         except OSError as exc:
             raise MoeifyError(f"tensor {name} in {path} could not be read ({exc})", "re-download this shard") from None
         return self._checked(name, path, tensor)
@@ -379,17 +384,8 @@ class CheckpointReader:
     def _read(self, name: str, fh) -> torch.Tensor:
         """Read one tensor's bytes straight into a new tensor with plain reads (no mmap): the process holds only
         the tensors it keeps, not the touched pages of a mapped 5 GB shard (which count in its RSS)."""
-        info, (start, stop) = self.tensors[name], self._span[name]
-        tensor = torch.empty(info.shape, dtype=info.dtype)
-        buf = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
-        fh.seek(start)
-        done = 0
-        while done < stop - start:
-            n = fh.readinto(buf[done:])
-            if not n:
-                raise OSError(f"file ends {stop - start - done} bytes early")
-            done += n
-        return tensor
+        info = self.tensors[name]
+        return _read_into(fh, self._span[name][0], torch.empty(info.shape, dtype=info.dtype))
 
     def _close_open(self) -> None:
         if self._open is not None and not self.pickled:

@@ -263,9 +263,6 @@ class SavedTensors:
             raise KeyError(name)
         return self._file.get_tensor(name)
 
-    def get(self, name: str, default=None):
-        return self[name] if name in self._names else default
-
     def pop(self, name: str) -> torch.Tensor:
         value = self[name]
         self._names.discard(name)
@@ -581,15 +578,15 @@ def teacher_pass(root: Path, teacher, train: torch.Tensor, held: torch.Tensor, t
     dev = next(teacher.parameters()).device
     ctx = _autocast(str(dev), settings.autocast)[0]
     done_tokens, total_tokens = 0, sum(len(idx) for _, idx in jobs) * seq
-    for first in range(0, len(jobs), par.world):  # rounds of one job a rank, in step (the teacher may be sharded)
-        b = first + par.rank
+    for start in range(0, len(jobs), par.world):  # rounds of one job a rank, in step (the teacher may be sharded)
+        b = start + par.rank
         kind, idx = jobs[b] if b < len(jobs) else ("none", torch.empty(0, dtype=torch.long))
         f = folder / f"batch-{b:05d}.safetensors"
         # float32, and batched as the loop would run them (held-out windows a step's worth at a time, training
         # windows one micro-batch at a time): the targets are the very values the teacher in the loop computes
         size = per_step if kind == "held" else max(1, settings.micro_windows)
         todo = [] if f.is_file() or not len(idx) else list(range(0, len(idx), size))
-        rounds = par.most(len(todo)) if par.on else len(todo)
+        rounds = par.most(len(todo))
         with torch.no_grad(), ctx:
             windows = (held if kind == "held" else train)[idx] if todo else None
             hidden = [final_hidden(teacher, windows[s:s + size].to(dev)).float().cpu() for s in todo]
@@ -597,7 +594,7 @@ def teacher_pass(root: Path, teacher, train: torch.Tensor, held: torch.Tensor, t
                 final_hidden(teacher, train[:1, :1].to(dev))
         if todo:
             _atomic_save({"index": idx.contiguous(), "hidden": torch.cat(hidden).contiguous()}, f)
-        done_tokens += sum(len(j[1]) for j in jobs[first:first + par.world]) * seq
+        done_tokens += sum(len(j[1]) for j in jobs[start:start + par.world]) * seq
         if progress:
             progress("teacher targets", done_tokens, total_tokens)
     if par.main:

@@ -668,3 +668,14 @@ def test_a_sharded_student_is_sharded_layer_by_layer_as_it_is_built(carved, monk
         reader.close()
     assert seen == [(i + 1, i) for i in range(len(teacher.model.layers))]  # each sharded before the next exists
     assert [layer.mlp for layer in student.model.layers] == built
+
+
+def test_tuning_on_real_text_only_reads_every_target_from_the_teacher_pass(carved, tmp_path):
+    """--tune-generated 0: no sampled text, so every training window's target comes from the teacher pass (a loop
+    variable once shadowed the index of the first sampled window there, and real windows past it were looked up
+    among sampled files that do not exist)."""
+    dense, carve = carved
+    out = _copy(carve, tmp_path / "real-only")
+    run = tune_output(dense, out, TuneOptions(tokens=8 * 1024, generated=0.0, lr=0.02))["tuning"]["runs"][0]
+    assert "generated" not in run["text"]
+    assert run["holdout_kl_after"] < run["holdout_kl_before"]
