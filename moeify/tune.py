@@ -1030,6 +1030,7 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
     info["offload"] = bool(offload)
     info["teacher_bytes"] = teacher_bytes  # this process's share of the teacher, as loaded (rank 0's)
     info["peak_bytes"], info["peak_what"] = _peak_memory(dev)
+    info["predicted_peak_bytes"] = predicted_memory(src, bo, opts, seq, dev, world=par.world, offload=bool(offload)).peak
     info = {"scope": "model", "lr": opts.lr, "seed": seed, "text": text, "resumed": saved is not None,
             "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), **info}
     del teacher

@@ -1,56 +1,88 @@
-"""The GPU rows of BENCHMARKS.md in one command (about 10 minutes on one H100-class GPU):
+"""The GPU rows of BENCHMARKS.md in one command, inside a time budget (one call of the device tool: 10 minutes):
 
     .venv/bin/python scripts/bench_gpu.py --json scripts/bench_gpu_results.json
 
-1. the 50% and 25% presets carved from SmolLM2-135M on the GPU (`moeify convert --no-tune`; seconds);
-2. tuning on the GPU, per model: `moeify tune --dry-run` (tokens/s, measured peak GPU memory with
-   torch.cuda.max_memory_allocated, the memory model's prediction), for SmolLM2 and the Llama-3.2-1B shape
-   (synthetic weights: speed and memory only);
-3. the 50% preset's tokens -> quality curve on SmolLM2: continued `moeify tune` runs (262,144 tokens, then doubling
-   the total up to --curve-tokens, 8M by default), each written output scored against dense on the three held-out
-   texts (scripts/bench_curve.py);
-4. decode tokens/s of both presets' layouts against dense in transformers bf16 on the GPU (greedy, KV cache);
-5. offloaded tuning (`--offload`, FSDP2 CPU offload) against plain tuning on the largest shape: s per 1,024 tokens
-   and the run's peak GPU memory.
+Steps, most wanted first; a step that fails is recorded (its error in the JSON) and the next one runs; a step that
+would start past --budget-s is skipped, so a budgeted run always returns what it measured:
 
-Every step is the real command line (`python -m moeify ...`) and the rows land in one JSON. CI runs it on the CPU
-with a tiny model and tiny budgets (`--device cpu --quick`, tests/test_bench_gpu.py) so that it does not rot while no
-GPU is at hand: the numbers of that run mean nothing, only that every step still works.
+1. calibrated conversion on the GPU (`moeify convert --no-tune`, seconds) of both presets, per shape: the Llama-3.2-1B
+   shape, SmolLM2-135M, and Llama-3-8B's widths (its hidden size, d_ff, heads, at --layers-8b layers: the memory
+   model at the users' widths, in the time one call has);
+2. tuning (`moeify tune --dry-run`): tokens/s, the peak GPU memory (torch.cuda.max_memory_allocated) beside the
+   memory model's prediction, per shape;
+3. decode tokens/s of both presets' layouts against dense in transformers bf16 (greedy, KV cache), with
+   transformers' default experts kernel (grouped_mm) and its eager loop;
+4. real tuning runs on the 8B-width shape plain and with `--offload` (FSDP2 CPU offload): s per 1,024 tokens, the
+   run's peak GPU memory and the memory model's prediction for that run;
+5. the 50% preset's tokens -> quality curve on SmolLM2 (continued `moeify tune` runs, doubling the total up to
+   --curve-tokens, each scored by scripts/bench_curve.py on the held-out texts) -- only with the real weights.
+
+Where the real SmolLM2 is absent and cannot be fetched (--offline; a device machine reaches no package index, and
+its 270 MB do not fit what a call carries), SmolLM2's shape is built with synthetic weights (speed and memory do
+not depend on the weights; the curve does, so it is skipped). The Llama shapes are synthetic in any case
+(scripts/make_synthetic_checkpoint.py, bf16 as those models are published, SmolLM2's tokenizer and vocabulary).
+
+Every step is the real command line (`python -m moeify ...`) and the rows land in one JSON, written after each step.
+CI runs it on the CPU with a tiny model and tiny budgets (`--device cpu --quick`, tests/test_bench_gpu.py) so that
+it does not rot while no GPU is at hand: the numbers of that run mean nothing, only that every step still works.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPORA = ROOT.parent / "shared" / "corpora"
+T0 = time.time()
 
 
-def moeify(*args: str, json_out: bool = False) -> dict | None:
+class Budget:
+    def __init__(self, seconds: float):
+        self.end = T0 + seconds
+
+    def left(self) -> float:
+        return self.end - time.time()
+
+
+def moeify(budget: Budget, *args: str, json_out: bool = False) -> dict:
     cmd = [sys.executable, "-m", "moeify", *args]
     t0 = time.time()
-    res = subprocess.run(cmd + (["--json", "-"] if json_out else []), capture_output=True, text=True, cwd=ROOT)
+    try:
+        res = subprocess.run(cmd + (["--json", "-"] if json_out else []), capture_output=True, text=True, cwd=ROOT,
+                             timeout=max(10.0, budget.left()))
+    except subprocess.TimeoutExpired as e:
+        raise RuntimeError(f"{' '.join(cmd)}: stopped at the time budget") from e
     if res.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed ({res.returncode}):\n{res.stderr[-4000:]}")
+        raise RuntimeError(f"{' '.join(cmd)} failed ({res.returncode}):\n{res.stderr[-3000:]}")
     out = json.loads(res.stdout[res.stdout.index("{"):]) if json_out else {}
     out["wall_s"] = time.time() - t0
     return out
 
 
-def decode_speed(path: Path, device: str, dtype: torch.dtype, prompt: int, new: int, rounds: int) -> float:
-    """Greedy decode tokens/s (generate(new + 1) minus generate(1), per new token), median of rounds."""
-    import statistics
+def script(budget: Budget, name: str, *args: str) -> None:
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / name), *args], capture_output=True, text=True,
+                         cwd=ROOT, timeout=max(10.0, budget.left()))
+    if res.returncode:
+        raise RuntimeError(f"{name} failed ({res.returncode}):\n{res.stderr[-3000:]}")
 
+
+def decode_speed(path: Path, device: str, dtype: torch.dtype, prompt: int, new: int, rounds: int,
+                 experts: str | None = None) -> float:
+    """Greedy decode tokens/s (generate(new + 1) minus generate(1), per new token), median of rounds."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    kw = {"experts_implementation": experts} if experts else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw).to(device).eval()
     ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0)).to(device)
 
     def run(n: int) -> float:
@@ -67,111 +99,233 @@ def decode_speed(path: Path, device: str, dtype: torch.dtype, prompt: int, new: 
     run(2)  # warm-up
     speeds = [new / (run(new + 1) - run(1)) for _ in range(rounds)]
     del model
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
     return statistics.median(speeds)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=ROOT / "models" / "smollm2-135m")
+    ap.add_argument("--model", type=Path, default=ROOT / "models" / "smollm2-135m", help="the real SmolLM2-135M")
+    ap.add_argument("--offline", action="store_true", help="no fetching: without --model's weights, SmolLM2's shape "
+                    "with synthetic weights (and no quality curve)")
+    ap.add_argument("--tokenizer", type=Path, default=None, help="tokenizer files for the synthetic shapes "
+                    "[default: --model's]")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "bench_gpu")
     ap.add_argument("--calib", type=Path, default=CORPORA / "wikitext2" / "calib_train_200k.txt")
+    ap.add_argument("--budget-s", type=float, default=3600.0, help="start no step after this many seconds")
+    ap.add_argument("--layers-8b", type=int, default=4, help="decoder layers of the Llama-3-8B-width shape (0: leave "
+                    "it out)")
+    ap.add_argument("--big-shape", default="llama3-8b", help="the shape whose widths the large runs take "
+                    "(make_synthetic_checkpoint.py's names) [llama3-8b]")
+    ap.add_argument("--calib-tokens", type=int, default=16384, help="calibration tokens of the synthetic shapes")
     ap.add_argument("--curve-tokens", type=int, default=8 * 2**20, help="the curve's last total of tuning tokens")
     ap.add_argument("--first-tokens", type=int, default=262144, help="the curve's first run")
-    ap.add_argument("--offload-tokens", type=int, default=32768, help="tokens of the plain and offloaded tuning runs")
+    ap.add_argument("--offload-tokens", type=int, default=16384, help="tokens of the plain and offloaded tuning runs")
     ap.add_argument("--eval-tokens", type=int, default=8192)
     ap.add_argument("--eval", type=Path, nargs="+", default=None, help="held-out texts [default: bench_curve.py's "
                     "three]")
     ap.add_argument("--skip-1b", action="store_true", help="leave out the Llama-3.2-1B shape")
-    ap.add_argument("--quick", action="store_true", help="CI: tiny budgets, the 1B shape left out")
+    ap.add_argument("--quick", action="store_true", help="CI: tiny budgets, only --model")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run it where `moeify tune --device cuda` works (or --device cpu --quick)")
-    if not (args.model / "config.json").is_file():
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "get_smollm2.py")], check=True, cwd=ROOT)
+    budget = Budget(args.budget_s)
+    cuda = args.device.startswith("cuda")
     args.work.mkdir(parents=True, exist_ok=True)
     dev = ["--device", args.device]
     calib = ["--calib", str(args.calib)]
-    results = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-               "model": str(args.model), "carve": {}, "tuning": {}, "curve": [], "decode": {}}
+    import transformers
+
+    results = {"device": torch.cuda.get_device_name() if cuda else "cpu",
+               "device_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else None,
+               "torch": torch.__version__, "transformers": transformers.__version__, "synthetic_smollm2": False,
+               "shapes": {}, "carve": {}, "tuning": {}, "decode": {}, "offload": {}, "curve": [], "errors": {},
+               "skipped": []}
 
     def save() -> None:
         if args.json:
             args.json.write_text(json.dumps(results, indent=1) + "\n")
 
-    carves = {}
-    for preset in ("active-50", "active-25"):
-        out = args.work / f"{args.model.name}-{preset}"
-        extra = ["--calib-tokens", "2048", "--calib-seq-len", "64"] if args.quick else []
-        r = moeify("convert", str(args.model), str(out), "--preset", str(ROOT / "configs" / f"{preset}.toml"),
+    def step(name: str, fn, *a, need: float = 20.0):
+        """Run one step unless the budget is spent; record its error and go on."""
+        if budget.left() < need:
+            results["skipped"].append(name)
+            print(f"[{time.time() - T0:5.0f} s] skipped {name}: the time budget is spent", flush=True)
+            save()
+            return None
+        try:
+            out = fn(*a)
+            print(f"[{time.time() - T0:5.0f} s] {name}: {out}", flush=True)
+            return out
+        except Exception as e:  # noqa: BLE001 - recorded, and the next step runs
+            results["errors"][name] = "".join(traceback.format_exception_only(e))[-3000:]
+            print(f"[{time.time() - T0:5.0f} s] {name} FAILED: {results['errors'][name]}", flush=True)
+            if not isinstance(e, (RuntimeError, subprocess.TimeoutExpired)):
+                traceback.print_exc()
+            return None
+        finally:
+            save()
+
+    # the shapes: (name, dense checkpoint)
+    real = (args.model / "config.json").is_file()
+    if not real and not args.offline:
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "get_smollm2.py")], check=True, cwd=ROOT)
+        real = True
+    tok = str(args.tokenizer or args.model)
+
+    def synthetic(name: str, shape: str, *extra: str) -> Path:
+        out = args.work / name
+        if not (out / "config.json").is_file():
+            script(budget, "make_synthetic_checkpoint.py", str(out), "--shape", shape, "--tokenizer", tok,
+                   "--vocab", "49152", "--overwrite", *extra)
+        results["shapes"][name] = json.loads((out / "config.json").read_text())
+        return out
+
+    shapes: dict[str, Path] = {}
+    big = f"{args.big_shape}-widths-{args.layers_8b}l"
+
+    def make(name: str, shape: str, *extra: str) -> None:
+        p = step(f"make {name}", synthetic, name, shape, *extra)
+        if p:
+            shapes[name] = p
+
+    # 1. calibrated conversion of both presets (the 8B-width shape: the 50% preset only)
+    carves: dict[tuple[str, str], Path] = {}
+
+    def carve(name: str, src: Path, preset: str) -> str:
+        out = args.work / f"{name}-{preset}"
+        extra = ["--calib-tokens", "2048", "--calib-seq-len", "64"] if args.quick else \
+            (["--calib-tokens", str(args.calib_tokens)] if name != "smollm2-135m" or not real else [])
+        r = moeify(budget, "convert", str(src), str(out), "--preset", str(ROOT / "configs" / f"{preset}.toml"),
                    *calib, *dev, "--no-tune", "--overwrite", *extra)
-        carves[preset] = out
-        results["carve"][preset] = {"seconds": r["wall_s"]}
-        print(f"carved {preset} in {r['wall_s']:.1f} s", flush=True)
+        report = json.loads((out / "report.json").read_text())
+        cal = report.get("calibration", {})
+        results["carve"].setdefault(name, {})[preset] = {
+            "seconds": r["wall_s"], "convert_seconds": report.get("seconds"), "calib_tokens": cal.get("tokens"),
+            "calib_device": cal.get("device"), "format": report.get("format"),
+            "expert_width": report.get("expert_width"), "shared_width": report.get("shared_width"),
+            "active_share": report["active_params"] / report["total_params"] if report.get("total_params") else None}
+        carves[(name, preset)] = out
+        return f"{r['wall_s']:.1f} s"
+
+    # 2. tuning speed and memory (dry run) per shape, the 50% preset
+    def dry(name: str) -> str:
+        est = moeify(budget, "tune", str(shapes[name]), str(carves[(name, "active-50")]), "--tokens",
+                     str(args.first_tokens), "--dry-run", *dev, json_out=True)
+        row = {k: est.get(k) for k in ("tokens_per_second", "step_seconds", "step_tokens", "peak_bytes", "peak_what",
+                                       "sampling_seconds_per_1k", "teacher_pass_seconds", "estimated_seconds")}
+        row["predicted_peak_bytes"] = est["predicted"]["peak"]
+        row["predicted"] = est["predicted"]
+        results["tuning"][name] = row
+        return (f"{est['tokens_per_second']:,.0f} tok/s, peak {est['peak_bytes'] / 1e9:.2f} GB measured, "
+                f"{est['predicted']['peak'] / 1e9:.2f} GB predicted")
+
+    # 3. decode speed in transformers (bf16 on a GPU)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    prompt, new, rounds = (16, 8, 1) if args.quick else (128, 128, 3)
+
+    def decode(name: str) -> str:
+        row = results["decode"].setdefault(name, {})
+        row["dense"] = decode_speed(shapes[name], args.device, dtype, prompt, new, rounds)
+        for preset in ("active-50", "active-25"):
+            if (name, preset) in carves:
+                for impl in ("grouped_mm", "eager"):
+                    try:
+                        row[f"{preset} {impl}"] = decode_speed(carves[(name, preset)], args.device, dtype, prompt,
+                                                               new, rounds, experts=impl)
+                    except Exception as e:  # noqa: BLE001 - an experts kernel this transformers lacks
+                        row[f"{preset} {impl}"] = None
+                        results.setdefault("decode_errors", {})[f"{name} {preset} {impl}"] = str(e)[-1000:]
         save()
-    shapes = [("smollm2-135m", args.model, carves["active-50"])]
-    if not (args.quick or args.skip_1b):
-        l1b = args.work / "llama3.2-1b"
-        if not (l1b / "config.json").is_file():
-            subprocess.run([sys.executable, str(ROOT / "scripts" / "make_synthetic_checkpoint.py"), str(l1b),
-                            "--shape", "llama3.2-1b", "--dtype", "float32", "--tokenizer", str(args.model),
-                            "--vocab", "49152"], check=True, cwd=ROOT)
-        c1b = args.work / "llama3.2-1b-active-50"
-        moeify("convert", str(l1b), str(c1b), "--preset", str(ROOT / "configs" / "active-50.toml"), *calib, *dev,
-               "--no-tune", "--overwrite", "--calib-tokens", "16384")
-        shapes.append(("llama3.2-1b (synthetic)", l1b, c1b))
-    for name, src, carve in shapes:
-        est = moeify("tune", str(src), str(carve), "--tokens", str(args.first_tokens), "--dry-run", *dev,
-                     json_out=True)
-        results["tuning"][name] = {k: est[k] for k in ("tokens_per_second", "step_seconds", "peak_bytes",
-                                                       "peak_what", "sampling_seconds_per_1k", "predicted")}
-        print(f"tuning {name}: {est['tokens_per_second']:,.0f} tok/s, peak {est['peak_bytes'] / 1e9:.2f} GB measured, "
-              f"{est['predicted']['peak'] / 1e9:.2f} GB predicted", flush=True)
-        save()
-    # offloaded tuning (FSDP2 CPU offload of the student's state) against plain tuning, on the largest shape here:
-    # tokens/s and the peak the run reports (torch.cuda.max_memory_allocated on a GPU)
-    name, src, carve = shapes[-1]
-    results["offload"] = {"model": name}
-    for mode in ("--no-offload", "--offload"):
+        return ", ".join(f"{k} {v:.1f} tok/s ({v / row['dense']:.2f}x)" for k, v in row.items() if v)
+
+    # 4. plain and offloaded tuning runs on the largest shape
+    def tune_run(name: str, mode: str) -> str:
         run_dir = args.work / f"offload-{mode.strip('-')}"
         subprocess.run(["rm", "-rf", str(run_dir)], check=True)
-        subprocess.run(["cp", "-r", str(carve), str(run_dir)], check=True)
-        r = moeify("tune", str(src), str(run_dir), "--tokens", str(args.offload_tokens), mode, *dev, json_out=True)
+        subprocess.run(["cp", "-r", str(carves[(name, "active-50")]), str(run_dir)], check=True)
+        r = moeify(budget, "tune", str(shapes[name]), str(run_dir), "--tokens", str(args.offload_tokens), mode, *dev,
+                   json_out=True)
         run = r["tuning"]["runs"][-1]
-        results["offload"][mode.strip("-")] = {k: run[k] for k in ("seconds_per_1k_tokens", "peak_bytes", "peak_what",
-                                                                   "holdout_kl_after", "offload")}
-        print(f"tuning {name} {mode}: {run['seconds_per_1k_tokens']:.2f} s per 1,024 tokens, peak "
-              f"{run['peak_bytes'] / 1e9:.2f} GB", flush=True)
-        save()
-    curve_dir = args.work / "curve-active-50"
-    subprocess.run(["rm", "-rf", str(curve_dir)], check=True)
-    subprocess.run(["cp", "-r", str(carves["active-50"]), str(curve_dir)], check=True)
-    total, run_tokens = 0, args.first_tokens
-    while total + run_tokens <= max(args.curve_tokens, args.first_tokens):
-        r = moeify("tune", str(args.model), str(curve_dir), "--tokens", str(run_tokens), *dev)
-        total += run_tokens
-        score = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_curve.py"), str(args.model),
-                                str(curve_dir), "--eval-tokens", str(args.eval_tokens), "--device", args.device,
-                                *(["--eval", *map(str, args.eval)] if args.eval else []),
-                                "--json", str(args.work / "curve.json"), "--append"], capture_output=True, text=True,
-                               cwd=ROOT)
-        if score.returncode:
-            raise SystemExit(score.stderr[-4000:])
-        point = json.loads((args.work / "curve.json").read_text())["points"][-1]
-        results["curve"].append({"tokens": total, "tune_wall_s": r["wall_s"], "ratio": point["ratio"]})
-        print(f"curve: {total:,} tokens, ratio " + " ".join(f"{v:.3f}" for v in point["ratio"].values()), flush=True)
-        save()
-        run_tokens = total  # double the total
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    prompt, new, rounds = (16, 8, 1) if args.quick else (128, 128, 3)
-    for name, path in (("dense", args.model), *carves.items()):
-        results["decode"][name] = decode_speed(path, args.device, dtype, prompt, new, rounds)
-    d = results["decode"]["dense"]
-    for name, v in results["decode"].items():
-        print(f"decode {name}: {v:.1f} tok/s ({v / d:.2f}x dense)", flush=True)
+        results["offload"]["model"] = name
+        results["offload"][mode.strip("-")] = {**{k: run.get(k) for k in (
+            "seconds_per_1k_tokens", "peak_bytes", "peak_what", "predicted_peak_bytes", "teacher_bytes",
+            "holdout_kl_before", "holdout_kl_after", "offload")}, "wall_s": r["wall_s"]}
+        return (f"{run['seconds_per_1k_tokens']:.2f} s per 1,024 tokens, peak {run['peak_bytes'] / 1e9:.2f} GB, "
+                f"predicted {run['predicted_peak_bytes'] / 1e9:.2f} GB, wall {r['wall_s']:.0f} s")
+
+    def carved(name: str, *presets: str) -> None:
+        for preset in presets:
+            if name in shapes:
+                step(f"carve {name} {preset}", carve, name, shapes[name], preset, need=30)
+
+    def offload_pair(name: str) -> None:
+        if (name, "active-50") in carves:
+            for mode in ("--no-offload", "--offload"):
+                step(f"tune {name} {mode}", tune_run, name, mode, need=60)
+
+    # the order: most wanted first (a spent budget skips the rest): the users' shapes (the 1B shape; the 8B widths)
+    # carved, tuned (dry run), decoded, and the 8B widths tuned plain and offloaded; then SmolLM2; then the curve
+    if not (args.quick or args.skip_1b):
+        make("llama3.2-1b", "llama3.2-1b")
+    if not args.quick and args.layers_8b:
+        make(big, args.big_shape, "--layers", str(args.layers_8b))
+    carved("llama3.2-1b", "active-50")
+    carved(big, "active-50")
+    for name in ("llama3.2-1b", big):
+        if (name, "active-50") in carves:
+            step(f"tune --dry-run {name}", dry, name, need=40)
+    carved("llama3.2-1b", "active-25")
+    if "llama3.2-1b" in shapes:
+        step("decode llama3.2-1b", decode, "llama3.2-1b", need=40)
+    offload_pair(big)
+    if real:
+        shapes["smollm2-135m"] = args.model
+    else:
+        results["synthetic_smollm2"] = True
+        make("smollm2-135m", "smollm2-135m")
+    carved("smollm2-135m", "active-50", "active-25")
+    if ("smollm2-135m", "active-50") in carves:
+        step("tune --dry-run smollm2-135m", dry, "smollm2-135m", need=40)
+    if "smollm2-135m" in shapes:
+        step("decode smollm2-135m", decode, "smollm2-135m", need=40)
+    if not any(k.startswith("tune ") and "offload" in k for k in results["errors"]) and not results["offload"]:
+        offload_pair(next((n for n in (big, "llama3.2-1b", "smollm2-135m") if (n, "active-50") in carves), ""))
+
+    # 5. the tokens -> quality curve (real weights only)
+    def curve() -> str:
+        curve_dir = args.work / "curve-active-50"
+        subprocess.run(["rm", "-rf", str(curve_dir)], check=True)
+        subprocess.run(["cp", "-r", str(carves[("smollm2-135m", "active-50")]), str(curve_dir)], check=True)
+        total, run_tokens = 0, args.first_tokens
+        while total + run_tokens <= max(args.curve_tokens, args.first_tokens) and budget.left() > 30:
+            r = moeify(budget, "tune", str(args.model), str(curve_dir), "--tokens", str(run_tokens), *dev)
+            total += run_tokens
+            script(budget, "bench_curve.py", str(args.model), str(curve_dir), "--eval-tokens", str(args.eval_tokens),
+                   "--device", args.device, *(["--eval", *map(str, args.eval)] if args.eval else []),
+                   "--json", str(args.work / "curve.json"), "--append")
+            point = json.loads((args.work / "curve.json").read_text())["points"][-1]
+            results["curve"].append({"tokens": total, "tune_wall_s": r["wall_s"], "ratio": point["ratio"]})
+            print(f"curve: {total:,} tokens, ratio " + " ".join(f"{v:.3f}" for v in point["ratio"].values()),
+                  flush=True)
+            save()
+            run_tokens = total  # double the total
+        return f"{len(results['curve'])} points"
+
+    if not real:
+        results["skipped"].append("curve (synthetic weights)")
+    elif ("smollm2-135m", "active-50") in carves:
+        (args.work / "curve.json").unlink(missing_ok=True)
+        step("curve", curve, need=60)
+    results["seconds"] = time.time() - T0
     save()
+    print(f"done in {results['seconds']:.0f} s; {len(results['errors'])} step(s) failed", flush=True)
+    sys.exit(1 if results["errors"] and args.quick else 0)
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     main()

@@ -41,6 +41,7 @@ SHAPES = {
     "llama3.2-1b": (2048, 8192, 16, 32, 8, 128256, True, 500000.0, 131072),
     "llama3.2-3b": (3072, 8192, 28, 24, 8, 128256, True, 500000.0, 131072),
     "mistral-7b": (4096, 14336, 32, 32, 8, 32768, False, 1000000.0, 32768),
+    "smollm2-135m": (576, 1536, 30, 9, 3, 49152, True, 100000.0, 8192),
     "tiny": (64, 256, 2, 4, 2, 512, False, 10000.0, 256),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")

@@ -22,12 +22,30 @@ def test_bench_gpu_runs_every_step_on_cpu(tmp_path, tokenizer_dir):
                          capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-2000:]
     out = json.loads((tmp_path / "gpu.json").read_text())
-    assert set(out["carve"]) == {"active-50", "active-25"}
+    assert out["errors"] == {} and out["skipped"] == []
+    assert set(out["carve"]["smollm2-135m"]) == {"active-50", "active-25"}
     tuning = out["tuning"]["smollm2-135m"]
-    assert tuning["tokens_per_second"] > 0 and tuning["predicted"]["peak"] > 0
+    assert tuning["tokens_per_second"] > 0 and tuning["predicted_peak_bytes"] > 0
     assert [p["tokens"] for p in out["curve"]] == [1024, 2048]
     assert all(0 < r < 100 for p in out["curve"] for r in p["ratio"].values())  # scored (a random model: any ratio)
-    assert set(out["decode"]) == {"dense", "active-50", "active-25"} and min(out["decode"].values()) > 0
+    decode = out["decode"]["smollm2-135m"]
+    assert {"dense", "active-50 eager", "active-25 eager"} <= set(decode) and decode["dense"] > 0
+    assert decode["active-50 eager"] > 0 and decode["active-25 eager"] > 0
     off = out["offload"]
-    assert off["offload"]["offload"] and not off["no-offload"]["offload"]
+    assert off["model"] == "smollm2-135m" and off["offload"]["offload"] and not off["no-offload"]["offload"]
     assert off["offload"]["peak_bytes"] > 0 and off["no-offload"]["seconds_per_1k_tokens"] > 0
+    assert off["offload"]["predicted_peak_bytes"] > 0
+
+
+def test_bench_gpu_skips_steps_past_its_budget_and_builds_smollm2_offline(tmp_path, tokenizer_dir):
+    """--offline without the real weights: SmolLM2's shape with synthetic weights, and no curve; a spent budget
+    skips every step and still writes the JSON."""
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--device", "cpu", "--quick",
+                          "--offline", "--model", str(tmp_path / "absent"), "--tokenizer", str(tokenizer_dir),
+                          "--work", str(tmp_path / "work"), "--calib", str(CORPUS), "--budget-s", "0",
+                          "--json", str(tmp_path / "gpu.json")],
+                         capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-2000:]
+    out = json.loads((tmp_path / "gpu.json").read_text())
+    assert out["synthetic_smollm2"] and out["carve"] == {} and out["curve"] == []
+    assert out["skipped"] == ["make smollm2-135m", "curve (synthetic weights)"]
