@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import tomllib
 from dataclasses import dataclass
@@ -209,6 +210,12 @@ def load_preset(path: str | Path) -> dict:
     return data
 
 
+def _absolute(f: str | Path) -> str:
+    """A text file's path as recorded in OUT/moeify.toml: absolute, so that `moeify tune OUT` finds it from any
+    directory (a path relative to where convert ran would not be)."""
+    return os.path.abspath(f) if Path(f).exists() else str(f)
+
+
 def build_config(preset: str | Path | None = None, default_calib: bool = False, source=None,
                  **flags) -> ConvertConfig:
     """Merge a preset with flags (flags that are None fall back to the preset, then to the defaults).
@@ -241,9 +248,9 @@ def build_config(preset: str | Path | None = None, default_calib: bool = False, 
     if isinstance(values.get("tune_text"), (str, Path)):
         values["tune_text"] = (values["tune_text"],)
     if values.get("tune_text") is not None:
-        values["tune_text"] = tuple(str(f) for f in values["tune_text"])
+        values["tune_text"] = tuple(_absolute(f) for f in values["tune_text"])
     if values.get("calib"):
-        values["calib"] = tuple(str(f) for f in values["calib"])
+        values["calib"] = tuple(_absolute(f) for f in values["calib"])
         for key, value in CALIBRATED_DEFAULTS.items():
             values.setdefault(key, value)
     if isinstance(values.get("dense_layers"), str) and values["dense_layers"].startswith("auto:"):
