@@ -412,7 +412,8 @@ def tune(
             if int(os.environ.get("WORLD_SIZE", "1")) > 1:
                 raise MoeifyError("--dry-run measures one process", "run it without torchrun / accelerate launch")
 
-            est = estimate_run(src, out, opts, resume=resume, device=device)
+            est = estimate_run(src, out, opts, resume=resume, device=device, offload=offload,
+                               memory_check=memory_check)
             print_tuning(_tables(json_dest), est, estimate=True)
             if json_dest:
                 _write_json(est, json_dest)

@@ -220,7 +220,8 @@ def print_tuning(console: Console, report: dict, header: bool = True, estimate: 
         t.add_row("estimated time", f"{_duration(e['estimated_seconds'])} (sampling "
                   f"{_duration(e['sampling_seconds'])}, teacher pass {_duration(e.get('teacher_pass_seconds', 0))})")
         p = e["predicted"]
-        t.add_row("peak memory", f"{e['peak_bytes'] / 1e9:.2f} GB measured, {p['peak'] / 1e9:.2f} GB predicted")
+        t.add_row("peak memory", f"{e['peak_bytes'] / 1e9:.2f} GB measured, {p['peak'] / 1e9:.2f} GB predicted"
+                  + (f" (offloaded: + {p['host_total'] / 1e9:.1f} GB host)" if e.get("offload") else ""))
         if e.get("device_bytes"):
             t.add_row("device memory", f"{e['device_bytes'] / 1e9:.1f} GB" + ("" if p["peak"] <= e["device_bytes"]
                                                                              else ": the run does NOT fit"))

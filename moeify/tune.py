@@ -1055,12 +1055,16 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
 
 
 def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, resume: bool = False,
-                 device: str = "auto", steps: int = 4) -> dict:
+                 device: str = "auto", steps: int = 4, offload: bool | None = None, memory_check: bool = True) -> dict:
     """`tune --dry-run`: build the teacher and student as the run would, time `steps` tuning steps on the real text
     (the first is a warm-up) and the sampling of one batch of short continuations, and measure the peak memory.
-    Writes nothing. Returns the measured rates, the estimated time of the whole run and the memory model's
-    prediction (moeify.memory)."""
+    Offload (FSDP2 CPU offload of the student's state) as the run would have it: given, or chosen by the memory
+    model where the GPU is too small otherwise; a run that fits nowhere here is refused before anything loads, as
+    the run itself would be. Writes nothing. Returns the measured rates, the estimated time of the whole run and the
+    memory model's prediction (moeify.memory)."""
     from .distill import DistillSettings, _autocast, distill, final_hidden, sample_text, share_frozen
+    from .families import load_source
+    from .parallel import Parallel
 
     src, out = Path(src), Path(out)
     root = state_dir(out)
@@ -1077,6 +1081,17 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
         raise MoeifyError(f"output {out} not found", "pass the directory `moeify convert` wrote")
     bo = read_output(base)
     dev = resolve_device(device)
+    seq0 = int(bo.report.get("calibration", {}).get("seq_len") or bo.cfg.calib_seq_len)
+    if offload is None:
+        from .memory import choose_offload
+
+        offload = choose_offload(*(predicted_memory(src, bo, opts, seq0, dev, offload=o) for o in (False, True)), dev,
+                                 device_memory(dev))
+    if memory_check:
+        from .memory import check_fits
+
+        check_fits(predicted_memory(src, bo, opts, seq0, dev, offload=offload), dev, device_memory(dev),
+                   load_source(src), bo.cfg.experts, len(bo.cfg.dense_layers), seq0)
     teacher = load_teacher(src, dev)
     seq = int(bo.report.get("calibration", {}).get("seq_len") or teacher.config.max_position_embeddings)
     real, held, _ = real_windows(src, _text_sources(bo, opts), seq)
@@ -1100,14 +1115,27 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
     free_teacher_ffns(teacher, bo)
     release_memory()
     reader = CheckpointReader(base)
-    student, own_attention = build_student(teacher, bo, reader, dev, opts.train_attention)
-    reader.close()
-    share_frozen(teacher, student, opts.train_attention,
-                 torch.bfloat16 if _autocast(dev, settings.autocast)[1] else None, own_attention=own_attention)
-    release_memory()
+    bf16 = _autocast(dev, settings.autocast)[1]
+    par = Parallel(device=dev)
+    if offload:
+        from .parallel import with_offload
+
+        par = with_offload(par)
     stamps = []
-    distill(teacher, student, real, held1, settings, progress=lambda *a: stamps.append(time.time()),
-            targets=kept.get, held_targets=held_t)
+    try:
+        student, own_attention = build_student(
+            teacher, bo, reader, dev, opts.train_attention,
+            shard_moe=(lambda m: par.shard_moe(m, torch.bfloat16 if bf16 else None)) if par.sharded else None,
+            shard_layer=par.shard if par.sharded and opts.train_attention else None)
+        reader.close()
+        share_frozen(teacher, student, opts.train_attention, torch.bfloat16 if bf16 else None,
+                     own_attention=own_attention)
+        release_memory()
+        distill(teacher, student, real, held1, settings, progress=lambda *a: stamps.append(time.time()),
+                targets=kept.get, held_targets=held_t, par=par)
+    finally:
+        if par.own_group:
+            par.close()
     step_s = (stamps[-2] - stamps[0]) / max(1, len(stamps) - 2)  # steps 2..n-1: no warm-up, no held-out check
     per_step = max(1, settings.batch_tokens // seq) * seq
     n_steps = -(-opts.tokens // per_step)
@@ -1116,8 +1144,9 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
     n_real, n_all = real.shape[0], real.shape[0] + sampled // seq
     teacher_tokens = n_real * (1 - (1 - 1 / n_all) ** (n_steps * per_step // seq)) * seq + held.shape[0] * seq
     peak, what = _peak_memory(dev)
-    predicted = predicted_memory(src, bo, opts, seq, dev, settings)
-    return {"tokens": opts.tokens, "device": dev, "step_tokens": per_step, "step_seconds": step_s,
+    predicted = predicted_memory(src, bo, opts, seq, dev, settings, offload=offload)
+    return {"tokens": opts.tokens, "device": dev, "offload": bool(offload), "step_tokens": per_step,
+            "step_seconds": step_s,
             "tokens_per_second": per_step / step_s, "steps": n_steps, "sampled_tokens": sampled,
             "sampling_seconds_per_1k": sampling_rate, "sampling_seconds": sampled / 1024 * sampling_rate,
             "tuning_seconds": n_steps * step_s, "teacher_pass_seconds": teacher_tokens / 1024 * teacher_rate,

@@ -215,8 +215,9 @@ def main() -> None:
     def dry(name: str) -> str:
         est = moeify(budget, "tune", str(shapes[name]), str(carves[(name, "active-50")]), "--tokens",
                      str(args.first_tokens), "--dry-run", *dev, json_out=True)
-        row = {k: est.get(k) for k in ("tokens_per_second", "step_seconds", "step_tokens", "peak_bytes", "peak_what",
-                                       "sampling_seconds_per_1k", "teacher_pass_seconds", "estimated_seconds")}
+        row = {k: est.get(k) for k in ("tokens_per_second", "step_seconds", "step_tokens", "offload", "peak_bytes",
+                                       "peak_what", "sampling_seconds_per_1k", "teacher_pass_seconds",
+                                       "estimated_seconds")}
         row["predicted_peak_bytes"] = est["predicted"]["peak"]
         row["predicted"] = est["predicted"]
         results["tuning"][name] = row

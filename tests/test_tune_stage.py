@@ -20,7 +20,7 @@ from conftest import build_dense, load
 from moeify.config import build_config
 from moeify.convert import plan_conversion, run_conversion
 from moeify.errors import MoeifyError
-from moeify.tune import TuneOptions, TuningInterrupted, state_dir, tune_output
+from moeify.tune import TuneOptions, TuningInterrupted, estimate_run, state_dir, tune_output
 from moeify.verify import verify_checkpoint
 from test_calibrate import CALIB
 
@@ -296,8 +296,16 @@ def test_tune_command_line(carved, tmp_path):
     assert est["teacher_pass_seconds"] > 0
     assert est["estimated_seconds"] == pytest.approx(est["tuning_seconds"] + est["sampling_seconds"]
                                                      + est["teacher_pass_seconds"])
-    assert not state_dir(out).exists()
+    assert not state_dir(out).exists() and est["offload"] is False
     _assert_identical(out, carve)  # --dry-run writes nothing
+    # the dry run measures the run as it would be: offloaded with --offload (FSDP2 CPU offload; a CPU changes only the
+    # code path), its prediction the offloaded one
+    res = runner.invoke(app, ["tune", str(dense), str(out), "--tokens", "4096", "--dry-run", "--offload", "--json",
+                              "-"])
+    assert res.exit_code == 0, res.output
+    off = json.loads(res.stdout[res.stdout.index("{"):])
+    assert off["offload"] is True and off["predicted"]["peak"] > 0 and off["step_seconds"] > 0
+    _assert_identical(out, carve)
     res = runner.invoke(app, ["tune", str(dense), str(out), "--tokens", "2048", "--tune-generated", "0.25"])
     assert res.exit_code == 0, res.output
     assert "tuned on 2,048 tokens" in res.output
@@ -546,6 +554,8 @@ def test_a_run_that_does_not_fit_is_refused_before_any_work(carved, tmp_path, mo
     with pytest.raises(MoeifyError, match="tuning needs about"):
         tune_output(dense, out, OPTS)
     assert not state_dir(out).exists()
+    with pytest.raises(MoeifyError, match="tuning needs about"):  # the dry run too, before loading anything
+        estimate_run(dense, out, OPTS)
     report = tune_output(dense, out, TuneOptions(tokens=1024, generated=0.25), memory_check=False)
     assert report["tuning"]["tokens"] == 1024
 
