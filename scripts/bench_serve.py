@@ -77,6 +77,17 @@ def llamacpp_speed(src: Path, name: str, args) -> dict:
     err = llc.to_gguf(py, top, src, gguf, None, args.outtype)
     if err:
         return {"status": err}
+    fallback = None
+    if args.quantize:  # llama-quantize of the vendored tree (scripts/bench_llamacpp_quants.py builds it once)
+        import bench_llamacpp_quants as blq
+
+        tools = ROOT / "build" / "llamacpp"
+        _, quant_exe = blq.build_tools(tools, llc.fetch_llamacpp(tools, llc.PIN), llc.PIN)
+        qgguf = work / f"{src.name}-{args.quantize}.gguf"
+        err, fallback = blq.quantize(quant_exe, gguf, qgguf, args.quantize, work / f"{src.name}-{args.quantize}.log")
+        if err:
+            return {"status": err}
+        gguf = qgguf
     runner = work / "runner.py"
     runner.write_text(LLAMACPP_RUNNER)
     res = subprocess.run([str(args.llamacpp_python), str(runner), str(gguf), str(args.threads),
@@ -89,7 +100,8 @@ def llamacpp_speed(src: Path, name: str, args) -> dict:
         return {"status": "aborts: " + (assert_line.split(": ", 1)[-1] if assert_line else llc.last_error(text))}
     t = json.loads(line.split("TIMINGS ", 1)[1])
     return {"status": "ok", "decode_tok_s": statistics.median(x["predicted_per_second"] for x in t),
-            "prompt_tok_s": statistics.median(x["prompt_per_second"] for x in t)}
+            "prompt_tok_s": statistics.median(x["prompt_per_second"] for x in t), "gguf": gguf.name,
+            "quant_fallback_tensors": fallback}
 
 
 def timed_generate(model, ids: torch.Tensor, new: int) -> tuple[float, float]:
@@ -113,6 +125,8 @@ def main() -> None:
     ap.add_argument("--llamacpp-python", type=Path, default=None, help="a Python with xllamacpp installed (e.g. "
                     "python -m venv build/llvenv && build/llvenv/bin/pip install xllamacpp): also run llama.cpp")
     ap.add_argument("--outtype", default="f32", help="llama.cpp converter --outtype (f32, f16, q8_0)")
+    ap.add_argument("--quantize", default="", help="then llama-quantize the --outtype GGUF to this type (e.g. "
+                    "Q4_K_M, from --outtype f16) and time that; the JSON says how many tensors took a fallback type")
     ap.add_argument("--llamacpp-new-tokens", type=int, default=64)
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--experts-impl", default="", help="comma-separated transformers experts implementations to time "
@@ -169,7 +183,8 @@ def main() -> None:
         for name, p in paths.items():
             rows[name]["llama.cpp"] = llamacpp_speed(p, name, args)
         d = rows["dense"]["llama.cpp"]
-        print(f"{args.model.name}: llama.cpp ({args.outtype}, xllamacpp), {args.threads} thread(s), greedy "
+        print(f"{args.model.name}: llama.cpp ({args.quantize or args.outtype}, xllamacpp), {args.threads} thread(s), "
+              "greedy "
               f"{args.llamacpp_new_tokens} tokens after ~{args.prompt_tokens}; median of {args.rounds} completions")
         print("| model | FFN active | decode tok/s | × dense | prompt tok/s | × dense | status |")
         print("|---|---:|---:|---:|---:|---:|---|")
@@ -182,7 +197,8 @@ def main() -> None:
                   f"{r['decode_tok_s'] / d['decode_tok_s']:.2f} | {r['prompt_tok_s']:.0f} | "
                   f"{r['prompt_tok_s'] / d['prompt_tok_s']:.2f} | ok |")
     if args.json:
-        args.json.write_text(json.dumps({"model": str(args.model), "threads": args.threads, "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"model": str(args.model), "threads": args.threads, "outtype": args.outtype,
+                                         "quantize": args.quantize, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
