@@ -1030,7 +1030,10 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
     info["offload"] = bool(offload)
     info["teacher_bytes"] = teacher_bytes  # this process's share of the teacher, as loaded (rank 0's)
     info["peak_bytes"], info["peak_what"] = _peak_memory(dev)
-    info["predicted_peak_bytes"] = predicted_memory(src, bo, opts, seq, dev, world=par.world, offload=bool(offload)).peak
+    predicted = predicted_memory(src, bo, opts, seq, dev, world=par.world, offload=bool(offload))
+    info["predicted_peak_bytes"] = predicted.peak
+    if dev.startswith("cuda"):  # the host side of a GPU run: measured peak RSS beside the predicted host memory
+        info["host_peak_bytes"], info["predicted_host_bytes"] = _peak_memory("cpu")[0], predicted.host_total
     info = {"scope": "model", "lr": opts.lr, "seed": seed, "text": text, "resumed": saved is not None,
             "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), **info}
     del teacher
@@ -1152,7 +1155,7 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
             "tuning_seconds": n_steps * step_s, "teacher_pass_seconds": teacher_tokens / 1024 * teacher_rate,
             "estimated_seconds": n_steps * step_s + sampled / 1024 * sampling_rate + teacher_tokens / 1024 * teacher_rate,
             "peak_bytes": peak, "peak_what": what, "predicted": predicted.to_dict(),
-            "device_bytes": device_memory(dev)}
+            "host_peak_bytes": _peak_memory("cpu")[0], "device_bytes": device_memory(dev)}
 
 
 def _peak_memory(dev: str) -> tuple[int, str]:

@@ -216,7 +216,8 @@ def main() -> None:
         est = moeify(budget, "tune", str(shapes[name]), str(carves[(name, "active-50")]), "--tokens",
                      str(args.first_tokens), "--dry-run", *dev, json_out=True)
         row = {k: est.get(k) for k in ("tokens_per_second", "step_seconds", "step_tokens", "offload", "peak_bytes",
-                                       "peak_what", "sampling_seconds_per_1k", "teacher_pass_seconds",
+                                       "peak_what", "host_peak_bytes", "sampling_seconds_per_1k",
+                                       "teacher_pass_seconds",
                                        "estimated_seconds")}
         row["predicted_peak_bytes"] = est["predicted"]["peak"]
         row["predicted"] = est["predicted"]
@@ -253,7 +254,8 @@ def main() -> None:
         run = r["tuning"]["runs"][-1]
         results["offload"]["model"] = name
         results["offload"][mode.strip("-")] = {**{k: run.get(k) for k in (
-            "seconds_per_1k_tokens", "peak_bytes", "peak_what", "predicted_peak_bytes", "teacher_bytes",
+            "seconds_per_1k_tokens", "peak_bytes", "peak_what", "predicted_peak_bytes", "host_peak_bytes",
+            "predicted_host_bytes", "teacher_bytes",
             "holdout_kl_before", "holdout_kl_after", "offload")}, "wall_s": r["wall_s"]}
         return (f"{run['seconds_per_1k_tokens']:.2f} s per 1,024 tokens, peak {run['peak_bytes'] / 1e9:.2f} GB, "
                 f"predicted {run['predicted_peak_bytes'] / 1e9:.2f} GB, wall {r['wall_s']:.0f} s")
