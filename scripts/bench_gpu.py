@@ -15,7 +15,8 @@ would start past --budget-s is skipped, so a budgeted run always returns what it
 4. real tuning runs on the 8B-width shape plain and with `--offload` (FSDP2 CPU offload): s per 1,024 tokens, the
    run's peak GPU memory and the memory model's prediction for that run;
 5. the 50% preset's tokens -> quality curve on SmolLM2 (continued `moeify tune` runs, doubling the total up to
-   --curve-tokens, each scored by scripts/bench_curve.py on the held-out texts) -- only with the real weights.
+   --curve-tokens, each scored by scripts/bench_curve.py on the held-out texts) -- only with the real weights
+   (--curve-only: this step alone, e.g. once scripts/device_carry.py has brought the model to a device machine).
 
 Where the real SmolLM2 is absent and cannot be fetched (--offline; a device machine reaches no package index, and
 its 270 MB do not fit what a call carries), SmolLM2's shape is built with synthetic weights (speed and memory do
@@ -127,6 +128,8 @@ def main() -> None:
     ap.add_argument("--eval", type=Path, nargs="+", default=None, help="held-out texts [default: bench_curve.py's "
                     "three]")
     ap.add_argument("--skip-1b", action="store_true", help="leave out the Llama-3.2-1B shape")
+    ap.add_argument("--curve-only", action="store_true", help="only the 50%% carve of the real SmolLM2 and its curve "
+                    "(a call after scripts/device_carry.py brought the model)")
     ap.add_argument("--quick", action="store_true", help="CI: tiny budgets, only --model")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -272,9 +275,11 @@ def main() -> None:
 
     # the order: most wanted first (a spent budget skips the rest): the users' shapes (the 1B shape; the 8B widths)
     # carved, tuned (dry run), decoded, and the 8B widths tuned plain and offloaded; then SmolLM2; then the curve
-    if not (args.quick or args.skip_1b):
+    if args.curve_only and not real:
+        raise SystemExit(f"--curve-only needs the real SmolLM2 at {args.model} (scripts/device_carry.py)")
+    if not (args.quick or args.skip_1b or args.curve_only):
         make("llama3.2-1b", "llama3.2-1b")
-    if not args.quick and args.layers_8b:
+    if not (args.quick or args.curve_only) and args.layers_8b:
         make(big, args.big_shape, "--layers", str(args.layers_8b))
     carved("llama3.2-1b", "active-50")
     carved(big, "active-50")
@@ -290,12 +295,13 @@ def main() -> None:
     else:
         results["synthetic_smollm2"] = True
         make("smollm2-135m", "smollm2-135m")
-    carved("smollm2-135m", "active-50", "active-25")
-    if ("smollm2-135m", "active-50") in carves:
+    carved("smollm2-135m", "active-50", *(() if args.curve_only else ("active-25",)))
+    if ("smollm2-135m", "active-50") in carves and not args.curve_only:
         step("tune --dry-run smollm2-135m", dry, "smollm2-135m", need=40)
-    if "smollm2-135m" in shapes:
+    if "smollm2-135m" in shapes and not args.curve_only:
         step("decode smollm2-135m", decode, "smollm2-135m", need=40)
-    if not any(k.startswith("tune ") and "offload" in k for k in results["errors"]) and not results["offload"]:
+    if not (any(k.startswith("tune ") and "offload" in k for k in results["errors"]) or results["offload"]
+            or args.curve_only):
         offload_pair(next((n for n in (big, "llama3.2-1b", "smollm2-135m") if (n, "active-50") in carves), ""))
 
     # 5. the tokens -> quality curve (real weights only)

@@ -49,3 +49,21 @@ def test_bench_gpu_skips_steps_past_its_budget_and_builds_smollm2_offline(tmp_pa
     out = json.loads((tmp_path / "gpu.json").read_text())
     assert out["synthetic_smollm2"] and out["carve"] == {} and out["curve"] == []
     assert out["skipped"] == ["make smollm2-135m", "curve (synthetic weights)"]
+
+
+def test_bench_gpu_curve_only_runs_the_curve_alone(tmp_path, tokenizer_dir):
+    dense = build_dense(tmp_path / "dense", tokenizer_dir, num_hidden_layers=2, intermediate_size=128,
+                        initializer_range=0.3)
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--device", "cpu", "--quick",
+                          "--curve-only", "--model", str(dense), "--work", str(tmp_path / "work"), "--calib",
+                          str(CORPUS), "--eval", str(CORPUS), "--eval-tokens", "1024", "--first-tokens", "1024",
+                          "--curve-tokens", "1024", "--json", str(tmp_path / "gpu.json")],
+                         capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-2000:]
+    out = json.loads((tmp_path / "gpu.json").read_text())
+    assert set(out["carve"]["smollm2-135m"]) == {"active-50"} and [p["tokens"] for p in out["curve"]] == [1024]
+    assert out["tuning"] == {} and out["decode"] == {} and out["offload"] == {} and out["errors"] == {}
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--device", "cpu", "--offline",
+                          "--curve-only", "--model", str(tmp_path / "absent")], capture_output=True, text=True,
+                         env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert res.returncode == 1 and "--curve-only needs the real SmolLM2" in res.stderr
