@@ -882,6 +882,43 @@ def _updated_report(base: BaseOutput, run: dict, train_router: bool, train_atten
 # ------------------------------------------------------------------------------------------ the stage
 
 
+def _fit_memory(src: Path, bo: BaseOutput, opts: TuneOptions, par, offload: bool | None, memory_check: bool,
+                notify=None) -> bool:
+    """Whether the run offloads (given, or where the memory model says the GPU needs it), after refusing a run that
+    the model says fits nowhere here (unless memory_check is off). The run and its dry run both decide so."""
+    from .families import load_source
+    from .memory import check_fits, choose_offload
+
+    seq = int(bo.report.get("calibration", {}).get("seq_len") or bo.cfg.calib_seq_len)
+    dev, have = par.device, device_memory(par.device)
+    if offload is None:
+        offload = choose_offload(*(predicted_memory(src, bo, opts, seq, dev, world=par.world, offload=o)
+                                   for o in (False, True)), dev, have)
+        if offload and notify:
+            notify("the student's state does not fit the GPU: offloading it to host memory (FSDP2 CPU offload); "
+                   "--no-offload turns that off")
+    if memory_check:
+        check_fits(predicted_memory(src, bo, opts, seq, dev, world=par.world, offload=offload), dev, have,
+                   load_source(src), bo.cfg.experts, len(bo.cfg.dense_layers), seq)
+    return offload
+
+
+def _student(teacher, bo: BaseOutput, reader: CheckpointReader, par, train_attention: bool, bf16: bool):
+    """The student as the run trains it: built from OUT's tensors (each MaskedMoE an FSDP2 group as it is built when
+    par shards, and each decoder layer with its own attention one more), sharing the teacher's frozen modules (in
+    bf16 under autocast, except a sharded teacher's, which stay as loaded)."""
+    from .distill import share_frozen
+
+    student, own_attention = build_student(
+        teacher, bo, reader, par.device, train_attention,
+        shard_moe=(lambda m: par.shard_moe(m, torch.bfloat16 if bf16 else None)) if par.sharded else None,
+        shard_layer=par.shard if par.sharded and train_attention else None)
+    share_frozen(teacher, student, train_attention, torch.bfloat16 if bf16 and not par.on else None,
+                 own_attention=own_attention)
+    release_memory()
+    return student
+
+
 def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = None, *, resume: bool = False,
                 restart: bool = False, device: str = "auto", save_every: float = SAVE_EVERY,
                 progress: Progress | None = None, notify: Callable[[str], None] | None = None,
@@ -896,7 +933,7 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
     teacher runs on the real windows inside the loop (the path before the teacher pass; kept for comparison).
     resume: continue the interrupted run saved in OUT.moeify-tune (opts None: its own; `given`, the options the
     caller set explicitly, must agree with it). restart: discard such a state and start anew."""
-    from .distill import DistillSettings, _autocast, distill, share_frozen
+    from .distill import DistillSettings, _autocast, distill
     from .families import load_source
     from .parallel import setup
 
@@ -949,20 +986,7 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
         raise MoeifyError(f"{base}: every expert is active (top-k {cfg.top_k} of {cfg.experts}): the model is the "
                           "dense one and there is nothing to tune")
     check_free_space(out, sum(f.stat().st_size for f in base.glob("*.safetensors")), overwrite=True)
-    seq0 = int(bo.report.get("calibration", {}).get("seq_len") or cfg.calib_seq_len)
-    if offload is None:
-        from .memory import choose_offload
-
-        offload = choose_offload(*(predicted_memory(src, bo, opts, seq0, par.device, world=par.world, offload=o)
-                                   for o in (False, True)), par.device, device_memory(par.device))
-        if offload and notify and par.main:
-            notify("the student's state does not fit the GPU: offloading it to host memory (FSDP2 CPU offload); "
-                   "--no-offload turns that off")
-    if memory_check:
-        from .memory import check_fits
-
-        check_fits(predicted_memory(src, bo, opts, seq0, par.device, world=par.world, offload=offload), par.device,
-                   device_memory(par.device), load_source(src), cfg.experts, len(cfg.dense_layers), seq0)
+    offload = _fit_memory(src, bo, opts, par, offload, memory_check, notify if par.main else None)
     run_index = len(bo.runs)
     seed = opts.seed if opts.seed is not None else cfg.seed + 1000 * run_index
     par.barrier()  # every rank has checked the same files before rank 0 changes them
@@ -1002,20 +1026,12 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
         free_teacher_ffns(teacher, bo)
         release_memory()
     reader = CheckpointReader(base)
-    bf16 = _autocast(dev, settings.autocast)[1]
     if offload:
         from .parallel import with_offload
 
         par = with_offload(par)
     try:
-        sharded = par.sharded
-        student, own_attention = build_student(
-            teacher, bo, reader, dev, opts.train_attention,
-            shard_moe=(lambda m: par.shard_moe(m, torch.bfloat16 if bf16 else None)) if sharded else None,
-            shard_layer=par.shard if sharded and opts.train_attention else None)  # (its own attention and norms:
-        lowp = torch.bfloat16 if bf16 and not par.on else None  # one FSDP2 group a layer; a sharded teacher's FFNs
-        share_frozen(teacher, student, opts.train_attention, lowp, own_attention=own_attention)  # stay as loaded)
-        release_memory()
+        student = _student(teacher, bo, reader, par, opts.train_attention, _autocast(dev, settings.autocast)[1])
         state = TuningState(root, save_every, par)
         saved = state.load()
         with _stop_on_signal(state, notify):
@@ -1065,8 +1081,7 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
     model where the GPU is too small otherwise; a run that fits nowhere here is refused before anything loads, as
     the run itself would be. Writes nothing. Returns the measured rates, the estimated time of the whole run and the
     memory model's prediction (moeify.memory)."""
-    from .distill import DistillSettings, _autocast, distill, final_hidden, sample_text, share_frozen
-    from .families import load_source
+    from .distill import DistillSettings, _autocast, distill, final_hidden, sample_text
     from .parallel import Parallel
 
     src, out = Path(src), Path(out)
@@ -1084,17 +1099,7 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
         raise MoeifyError(f"output {out} not found", "pass the directory `moeify convert` wrote")
     bo = read_output(base)
     dev = resolve_device(device)
-    seq0 = int(bo.report.get("calibration", {}).get("seq_len") or bo.cfg.calib_seq_len)
-    if offload is None:
-        from .memory import choose_offload
-
-        offload = choose_offload(*(predicted_memory(src, bo, opts, seq0, dev, offload=o) for o in (False, True)), dev,
-                                 device_memory(dev))
-    if memory_check:
-        from .memory import check_fits
-
-        check_fits(predicted_memory(src, bo, opts, seq0, dev, offload=offload), dev, device_memory(dev),
-                   load_source(src), bo.cfg.experts, len(bo.cfg.dense_layers), seq0)
+    offload = _fit_memory(src, bo, opts, Parallel(device=dev), offload, memory_check)
     teacher = load_teacher(src, dev)
     seq = int(bo.report.get("calibration", {}).get("seq_len") or teacher.config.max_position_embeddings)
     real, held, _ = real_windows(src, _text_sources(bo, opts), seq)
@@ -1117,8 +1122,6 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
     teacher_rate = (time.time() - t0) / ((len(drawn) + 1) * seq) * 1024
     free_teacher_ffns(teacher, bo)
     release_memory()
-    reader = CheckpointReader(base)
-    bf16 = _autocast(dev, settings.autocast)[1]
     par = Parallel(device=dev)
     if offload:
         from .parallel import with_offload
@@ -1126,14 +1129,8 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
         par = with_offload(par)
     stamps = []
     try:
-        student, own_attention = build_student(
-            teacher, bo, reader, dev, opts.train_attention,
-            shard_moe=(lambda m: par.shard_moe(m, torch.bfloat16 if bf16 else None)) if par.sharded else None,
-            shard_layer=par.shard if par.sharded and opts.train_attention else None)
-        reader.close()
-        share_frozen(teacher, student, opts.train_attention, torch.bfloat16 if bf16 else None,
-                     own_attention=own_attention)
-        release_memory()
+        with contextlib.closing(CheckpointReader(base)) as reader:
+            student = _student(teacher, bo, reader, par, opts.train_attention, _autocast(dev, settings.autocast)[1])
         distill(teacher, student, real, held1, settings, progress=lambda *a: stamps.append(time.time()),
                 targets=kept.get, held_targets=held_t, par=par)
     finally:
