@@ -1081,7 +1081,7 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
     model where the GPU is too small otherwise; a run that fits nowhere here is refused before anything loads, as
     the run itself would be. Writes nothing. Returns the measured rates, the estimated time of the whole run and the
     memory model's prediction (moeify.memory)."""
-    from .distill import DistillSettings, _autocast, distill, final_hidden, sample_text
+    from .distill import DistillSettings, _autocast, distill, final_hidden, sample_text, sampling_seconds_per_token
     from .parallel import Parallel
 
     src, out = Path(src), Path(out)
@@ -1104,11 +1104,11 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
     seq = int(bo.report.get("calibration", {}).get("seq_len") or teacher.config.max_position_embeddings)
     real, held, _ = real_windows(src, _text_sources(bo, opts), seq)
     n_prompt = min(16, seq // 4)
-    new = min(seq - n_prompt, 64)  # a full sampling batch, an eighth of a window's new tokens: the rate per token
-    prompts = real[torch.arange(SAMPLE_BATCH) % real.shape[0], :n_prompt]
-    t0 = time.time()
-    sample_text(teacher, prompts, new, 0, batch=SAMPLE_BATCH)
-    sampling_rate = (time.time() - t0) / (SAMPLE_BATCH * new) * 1024
+    new = min(seq - n_prompt, 96)  # a full sampling batch, a fifth of a window's new tokens: the cost per step,
+    prompts = real[torch.arange(SAMPLE_BATCH) % real.shape[0], :n_prompt]  # fitted against the KV cache's length
+    stamps: list = []
+    sample_text(teacher, prompts, new, 0, batch=SAMPLE_BATCH, keep_hidden=True, step_times=stamps)
+    sampling_rate = sampling_seconds_per_token(stamps, n_prompt, seq) / SAMPLE_BATCH * 1024
     settings = DistillSettings(tokens=steps * 1024, lr=opts.lr, train_router=opts.train_router,
                                train_attention=opts.train_attention, evals=1)
     ctx = _autocast(dev, settings.autocast)[0]
@@ -1143,14 +1143,15 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
     # the real windows the whole run is expected to draw at least once (draws uniform over real + sampled windows)
     n_real, n_all = real.shape[0], real.shape[0] + sampled // seq
     teacher_tokens = n_real * (1 - (1 - 1 / n_all) ** (n_steps * per_step // seq)) * seq + held.shape[0] * seq
+    sampling_s = sampled // seq * (seq - n_prompt) / 1024 * sampling_rate  # generated tokens (prompts are real)
     peak, what = _peak_memory(dev)
     predicted = predicted_memory(src, bo, opts, seq, dev, settings, offload=offload)
     return {"tokens": opts.tokens, "device": dev, "offload": bool(offload), "step_tokens": per_step,
             "step_seconds": step_s,
             "tokens_per_second": per_step / step_s, "steps": n_steps, "sampled_tokens": sampled,
-            "sampling_seconds_per_1k": sampling_rate, "sampling_seconds": sampled / 1024 * sampling_rate,
+            "sampling_seconds_per_1k": sampling_rate, "sampling_seconds": sampling_s,
             "tuning_seconds": n_steps * step_s, "teacher_pass_seconds": teacher_tokens / 1024 * teacher_rate,
-            "estimated_seconds": n_steps * step_s + sampled / 1024 * sampling_rate + teacher_tokens / 1024 * teacher_rate,
+            "estimated_seconds": n_steps * step_s + sampling_s + teacher_tokens / 1024 * teacher_rate,
             "peak_bytes": peak, "peak_what": what, "predicted": predicted.to_dict(),
             "host_peak_bytes": _peak_memory("cpu")[0], "device_bytes": device_memory(dev)}
 

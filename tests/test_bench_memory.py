@@ -1,4 +1,4 @@
-"""scripts/bench_memory.py: the memory model against a measured dry run, with the resident memory split."""
+"""scripts/bench_memory.py and scripts/bench_sampling.py: what a tuning run holds and what its sampling costs."""
 
 from __future__ import annotations
 
@@ -41,3 +41,15 @@ def test_bench_memory_measures_a_dry_run_and_splits_its_peak(tmp_path, tokenizer
     assert r["predicted_over_measured"] == r["predicted"]["peak"] / r["measured_peak_bytes"]
     assert "anonymous at the peak" in res.stdout
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "carve").iterdir()} == before  # read only
+
+
+def test_bench_sampling_prints_the_steps_and_the_dry_runs_fit(tmp_path, tokenizer_dir):
+    dense = build_dense(tmp_path / "dense", tokenizer_dir, num_hidden_layers=2)
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_sampling.py"), str(dense), "--batch", "4",
+                          "--prompt", "4", "--new", "12", "--window", "64"],
+                         capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [line.split() for line in res.stdout.splitlines()]
+    lengths = [int(r[0]) for r in rows if len(r) == 2 and r[0].isdigit()]
+    assert lengths and lengths[0] == 6 and lengths == sorted(lengths) and lengths[-1] <= 17  # steps after the first (+1: keep_hidden)
+    assert "fitted at the mean length of a 64-token window from 4-token prompts" in res.stdout

@@ -422,3 +422,34 @@ def test_sampling_keeps_the_teachers_targets_and_tuning_skips_the_teacher_on_the
     (a, wa, calls_a), (b, wb, calls_b) = results
     assert torch.equal(wa, wb) and a["holdout_curve"] == b["holdout_curve"]
     assert calls_a == 8 * 4 + 1 and calls_b < calls_a  # 4 windows a step, plus the held-out targets once
+
+
+def test_sampling_cost_is_fitted_against_the_kv_length_and_taken_at_a_whole_windows_mean():
+    """The dry run's sampling estimate: step times grow with the KV cache, so a short run's steps are fitted as
+    a + b * length and read at the mean length of a whole window's steps (the first step, with the prompt's
+    forward, left out); a clock on generate() records a step per new token and leaves the text as it was."""
+    from moeify.distill import sample_text, sampling_seconds_per_token
+
+    # steps of 1 ms + 0.01 ms per token of context, lengths 17..112, after a prefill of 50 ms
+    stamps, t = [(17, 0.05)], 0.05
+    for n in range(18, 113):
+        t += 1e-3 + 1e-5 * n
+        stamps.append((n, t))
+    # a whole window of 512 continued from 16 tokens: mean length (17 + 512) / 2
+    assert sampling_seconds_per_token(stamps, 16, 512) == pytest.approx(1e-3 + 1e-5 * 264.5, rel=1e-9)
+    assert sampling_seconds_per_token(stamps, 16, 112) == pytest.approx(1e-3 + 1e-5 * 64.5, rel=1e-9)
+    flat = [(n, 0.002 * n) for n in range(17, 30)]  # constant steps: no growth to extrapolate
+    assert sampling_seconds_per_token(flat, 16, 512) == pytest.approx(0.002)
+    falling = [(n, -1 / n) for n in range(17, 40)]  # steps that shrink (noise): the mean, not extrapolated down
+    d = [b[1] - a[1] for a, b in zip(falling, falling[1:])]
+    assert sampling_seconds_per_token(falling, 16, 512) == pytest.approx(sum(d) / len(d))
+    with pytest.raises(ValueError, match="at least 3"):
+        sampling_seconds_per_token(stamps[:2], 16, 512)
+
+    teacher, _ = _tiny_teacher_student()
+    prompts = torch.randint(0, 97, (6, 4), generator=torch.Generator().manual_seed(3))
+    clock: list = []
+    windows = sample_text(teacher, prompts, 12, seed=5, batch=4, step_times=clock)
+    assert torch.equal(windows, sample_text(teacher, prompts, 12, seed=5, batch=4))
+    assert [n for n, _ in clock] == list(range(5, 17)) * 2  # two batches, a stamp per new token
+    assert all(b[1] >= a[1] for a, b in zip(clock[:12], clock[1:12]))
