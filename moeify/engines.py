@@ -10,7 +10,10 @@ Each verdict is a fact measured or read off the engine's code (BENCHMARKS.md "Se
   layers, and wants a shared expert.
 - llama.cpp quantizes a row only when its length is a multiple of the block (32 for Q8_0/Q4_0, 256 for K-quants);
   an expert down_proj row is the expert width, else it falls back to a wider type (finally F16).
-- vLLM's Qwen2-MoE assumes head_dim = hidden / heads.
+- vLLM's Qwen2-MoE assumes head_dim = hidden / heads (it cuts the q/k/v/o weights to that size without an error:
+  measured wrong by 5.7 in log-probability), and without a shared expert it builds no `shared_expert` module, so the
+  empty `shared_expert.*` tensors transformers needs stop its loader ("There is no module or parameter named
+  'model.layers.0.mlp.shared_expert'"; vLLM 0.32 on CPU, scripts/check_vllm.py).
 """
 
 from __future__ import annotations
@@ -52,6 +55,9 @@ def engine_notes(fmt: str, top_k: int, experts: int, shared_width: int, padded_w
         if not shared_width:
             notes.append(EngineNote("llama.cpp", True, "its qwen2moe expects a shared expert",
                                     "use --format mixtral or --shared S"))
+            notes.append(EngineNote("vllm", True, "its Qwen2-MoE builds no shared expert at "
+                                    "shared_expert_intermediate_size 0 and refuses the checkpoint's empty "
+                                    "shared_expert tensors", "use --format mixtral or --shared S"))
         if head_dim * heads != hidden:
             fix = "use --format mixtral"
             if shared_width:  # the Mixtral layout with the same share of neurons active, top-k within llama.cpp's

@@ -10,7 +10,7 @@ WikiText-2 valid by default), in transformers (AutoModelForCausalLM, CPU float32
 server with the prompt given as token ids). It reports whether each engine loaded and ran the model, and how many
 of transformers' generated tokens llama.cpp's text reproduces before the first difference. Greedy decoding of a model whose top-2 next tokens are close
 can part after a few tokens under float32 rounding differences alone; the dense row shows what that looks like.
-vLLM is not run here (it needs a GPU); README "Serving the output on vLLM" says what its code loads.
+vLLM is checked by scripts/check_vllm.py (its CPU build, in a venv of its own).
 """
 
 from __future__ import annotations

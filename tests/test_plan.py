@@ -252,6 +252,8 @@ def test_engine_notes_name_what_fails_and_the_fix():
     qwen = engine_notes("qwen2_moe", 8, 48, 0, 32, True, 1, 128, 576, 9)
     assert {(n.engine, n.fails) for n in qwen} == {("llama.cpp", True), ("vllm", True)}
     assert {n.fix for n in qwen} >= {"pass --untie-embeddings", "leave out --dense-layers", "use --format mixtral"}
+    # vLLM 0.32 refuses a Qwen2-MoE checkpoint without a shared expert (its empty shared_expert tensors)
+    assert any(n.engine == "vllm" and "empty shared_expert" in n.what and "--shared S" in n.fix for n in qwen)
     # a shared-expert layout (the 50% preset: 16 shared slices + 48 routed top-16) on a source whose head_dim is not
     # hidden / heads: the fix names the Mixtral layout with the same share active and a top-k llama.cpp runs
     shared = engine_notes("qwen2_moe", 16, 48, 16 * 24, 24, False, 0, 128, 576, 9)
