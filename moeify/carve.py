@@ -10,7 +10,8 @@ from .compensate import refit_down, routed_output, routing_mask
 from .numerics import ffn_activations, neuron_stats, resolve_device
 from .partition import Partition, partition_from_stats, partition_neurons, perm_hash
 from .layerfit import FitSettings, fit_layer
-from .router import build_router, expert_output_norms, fit_router, topk_agreement, unit_gate_scale
+from .router import (build_router, expert_output_norms, fit_router, observed_gate_scale, routing_ties,
+                     topk_agreement, unit_gate_scale)
 
 WEIGHT_METHODS = ("contiguous", "random", "gate-cluster")
 STATS_METHODS = ("activation", "coactivation")
@@ -111,6 +112,12 @@ def carve_calibrated(x: torch.Tensor, gate, up, down, norm_weight, cfg, stats=No
     out = routed_output(act, scores, part, cfg.top_k, weights.get("down", down))
     metrics["rel_error"] = ((out - y).pow(2).sum() / y.pow(2).sum().clamp_min(1e-30)).item()
     cpu_part = Partition(part.perm.cpu(), part.n_shared, part.n_experts, part.expert_width)
-    layer = CarvedLayer(cpu_part, router.cpu(), gate_scale(router, norm_weight, cfg),
+    # the unit-gate scale from the spread of the calibration tokens' logits (router.observed_gate_scale)
+    scale = 0.0 if cfg.top_k == cfg.experts else observed_gate_scale(scores, cfg.gate_tolerance)
+    if scale:
+        exported = scores * scale
+        metrics["router_spread"] = (exported.max(1).values - exported.min(1).values).max().item()
+        metrics["routing_ties"] = routing_ties(exported, cfg.top_k)
+    layer = CarvedLayer(cpu_part, router.cpu(), scale,
                         weights={k: v.cpu() for k, v in weights.items()}, tuned=tuned, metrics=metrics)
     return layer, out, dense_out

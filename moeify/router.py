@@ -59,6 +59,30 @@ def unit_gate_scale(router: torch.Tensor, norm_weight: torch.Tensor, tolerance: 
     return tolerance / bound if bound > 0 else 1.0
 
 
+def observed_gate_scale(scores: torch.Tensor, tolerance: float) -> float:
+    """alpha from the logit spread the router shows on real tokens: scores (n_tokens, E) = x @ router.T on the
+    calibration inputs. The bound of unit_gate_scale holds for any input, but real inputs use a small part of it (on
+    SmolLM2 1/10 to 1/130 of it), and logits that small tie: a probability near 1/E is resolved to ~1e-7 relative in
+    float32, and engines that rank experts by softmax probabilities (transformers, llama.cpp) then break ties by
+    index while those that rank by logits (vLLM's CPU router, moeify's tuning) do not, so they pick other experts.
+    Scaling the largest spread seen to the tolerance keeps every gate of the calibration tokens within it and moves
+    the logit gaps ~100x above float32's resolution; a token with a wider spread than any calibration token has a
+    proportionally larger gate error (tuning trains with the exported gates, so a tuned output carries no error)."""
+    spread = (scores.max(1).values - scores.min(1).values).max().item() if scores.numel() else 0.0
+    return tolerance / spread if spread > 0 else 1.0
+
+
+def routing_ties(logits: torch.Tensor, k: int) -> float:
+    """Share of tokens whose top-k experts by float32 softmax probability (transformers, llama.cpp) differ from
+    their top-k by logit (vLLM's CPU router, moeify's tuning): ties in the probabilities, broken by index."""
+    lg = logits.float()
+    if k >= lg.shape[1] or not lg.shape[0]:
+        return 0.0
+    by_logit = torch.zeros_like(lg, dtype=torch.bool).scatter_(1, lg.topk(k, 1).indices, True)
+    by_prob = torch.zeros_like(lg, dtype=torch.bool).scatter_(1, lg.softmax(-1).topk(k, 1).indices, True)
+    return (by_logit != by_prob).any(1).float().mean().item()
+
+
 SHARED_GATE_MIN = 2.0 ** -24  # the smallest float16 subnormal: the gate survives a float16 cast (ours or a GGUF's)
 
 

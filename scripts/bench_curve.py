@@ -30,6 +30,25 @@ TEXTS = [CORPORA / "wikitext2" / "valid.txt", CORPORA / "tinyshakespeare" / "val
          Path("/usr/share/common-licenses/GPL-3")]
 
 
+def count_ties(model) -> dict:
+    """Hooks every MoE router of a loaded output: the share of token-layers whose top-k experts by float32 softmax
+    probability (transformers) differ from their top-k by logit (vLLM's CPU router, moeify's tuning), i.e. ties
+    in the probabilities (moeify.router.routing_ties). Returns the running counts; call stats["remove"]() after."""
+    from moeify.router import routing_ties
+
+    k, stats = model.config.num_experts_per_tok, {"tied": 0.0, "n": 0}
+
+    def hook(mod, inp):
+        lg = inp[0].reshape(-1, inp[0].shape[-1]).float() @ mod.weight.float().T
+        stats["tied"] += routing_ties(lg, k) * lg.shape[0]
+        stats["n"] += lg.shape[0]
+
+    hooks = [layer.mlp.gate.register_forward_pre_hook(hook) for layer in model.model.layers
+             if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")]
+    stats["remove"] = lambda: [h.remove() for h in hooks]
+    return stats
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dense", type=Path)
@@ -62,16 +81,23 @@ def main() -> None:
         report = json.loads((ckpt / "report.json").read_text())
         tuning = report.get("tuning", {})
         model = load_moe(ckpt).to(args.device)
-        ppl = {n: perplexity(model, ids, args.seq_len) for n, ids in evals.items()}
+        ppl, ties = {}, {}
+        for n, ids in evals.items():
+            counts = count_ties(model)
+            ppl[n] = perplexity(model, ids, args.seq_len)
+            counts["remove"]()
+            ties[n] = counts["tied"] / max(1, counts["n"])
         del model
         point = {"label": args.label, "checkpoint": str(ckpt), "tokens": tuning.get("tokens", 0),
                  "runs": [{k: r.get(k) for k in ("tokens", "steps", "seconds", "cpu_seconds", "seconds_per_1k_tokens",
                                                  "holdout_kl_before", "holdout_kl_after", "step_kept", "seed",
                                                  "resumed")} for r in tuning.get("runs", [])],
-                 "ppl": ppl, "ratio": {n: ppl[n] / dense_ppl[n] for n in ppl}}
+                 "ppl": ppl, "ratio": {n: ppl[n] / dense_ppl[n] for n in ppl},
+                 "routing_ties": ties}  # share of token-layers whose top-k by probability and by logit differ
         results["points"].append(point)
         print(f"{ckpt.name}: {point['tokens']:,} tuning tokens, ratio "
-              + "  ".join(f"{n} {v:.3f}" for n, v in point["ratio"].items()), flush=True)
+              + "  ".join(f"{n} {v:.3f}" for n, v in point["ratio"].items())
+              + f"; routing ties {max(ties.values()):.2%} of token-layers at most", flush=True)
         if args.json:
             args.json.write_text(json.dumps(results, indent=1) + "\n")
 
