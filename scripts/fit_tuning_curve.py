@@ -35,9 +35,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("points", type=Path)
     ap.add_argument("--machine", default=None, help="only the points of this machine")
+    ap.add_argument("--layout", default="fixed", help="only the points of this preset layout: fixed (the presets' "
+                    "64 slices, before session 23) or resolved (per model: SmolLM2 48 slices of 32) [default: fixed]")
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args()
-    pts = [p for p in json.loads(args.points.read_text())["points"] if args.machine in (None, p["machine"])]
+    pts = [p for p in json.loads(args.points.read_text())["points"] if args.machine in (None, p["machine"])
+           and p.get("layout", "fixed") == args.layout]
     lines = {}
     for p in pts:
         for text, r in p["ratio"].items():
