@@ -4,6 +4,7 @@ generate() (moeify.distill.sample_text(step_times=)), and the fit `tune --dry-ru
 
     .venv/bin/python scripts/bench_sampling.py models/smollm2-135m --threads 2 --prompt 16 --new 96
     .venv/bin/python scripts/bench_sampling.py models/smollm2-135m --threads 2 --prompt 440 --new 24   # late steps
+    .venv/bin/python scripts/bench_sampling.py models/smollm2-135m --threads 2 --new 496 --cache dynamic  # a window
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens (tune: 16)")
     ap.add_argument("--new", type=int, default=96, help="tokens to generate")
     ap.add_argument("--window", type=int, default=512, help="the window length the fit is read at (tune: 512)")
+    ap.add_argument("--cache", choices=("static", "dynamic"), default="static", help="transformers' KV cache "
+                    "(tune: static)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     from transformers import AutoModelForCausalLM
@@ -37,10 +40,11 @@ def main(argv=None) -> int:
     stamps: list = []
     t0 = time.time()
     with torch.no_grad():
-        sample_text(model, prompts, a.new, 0, batch=a.batch, keep_hidden=True, step_times=stamps)
+        sample_text(model, prompts, a.new, 0, batch=a.batch, keep_hidden=True, step_times=stamps, cache=a.cache)
     total = time.time() - t0
     steps = [(n, t - t_prev) for (_, t_prev), (n, t) in zip(stamps, stamps[1:])]
-    print(f"{a.batch} x {a.new} tokens after {a.prompt}-token prompts: {total:.1f} s ({a.threads} thread(s))")
+    print(f"{a.batch} x {a.new} tokens after {a.prompt}-token prompts: {total:.1f} s ({a.threads} thread(s), "
+          f"{a.cache} cache)")
     print(f"{'length':>8} {'ms a step':>10}")
     for n, d in steps[:: max(1, len(steps) // 8)]:
         print(f"{n:8d} {1000 * d:10.1f}")

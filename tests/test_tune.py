@@ -451,5 +451,7 @@ def test_sampling_cost_is_fitted_against_the_kv_length_and_taken_at_a_whole_wind
     clock: list = []
     windows = sample_text(teacher, prompts, 12, seed=5, batch=4, step_times=clock)
     assert torch.equal(windows, sample_text(teacher, prompts, 12, seed=5, batch=4))
+    # the static KV cache (the default) samples the very tokens the dynamic one does
+    assert torch.equal(windows, sample_text(teacher, prompts, 12, seed=5, batch=4, cache="dynamic"))
     assert [n for n, _ in clock] == list(range(5, 17)) * 2  # two batches, a stamp per new token
     assert all(b[1] >= a[1] for a, b in zip(clock[:12], clock[1:12]))
