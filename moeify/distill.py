@@ -533,7 +533,6 @@ def attention_params(model) -> list[torch.nn.Parameter]:
 # --------------------------------------------------------------------------------------- the tuning text
 
 
-@torch.no_grad()
 def _step_clock(stamps: list):
     """A generate() stopping criterion that never stops: it records (sequence length, time) after every step."""
     from transformers import StoppingCriteria, StoppingCriteriaList
@@ -544,6 +543,7 @@ def _step_clock(stamps: list):
             return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     return StoppingCriteriaList([StepClock()])
+
 
 def sampling_seconds_per_token(stamps: list, prompt: int, seq: int) -> float:
     """Seconds a sampling step takes, averaged over the positions of windows of `seq` tokens continued from
@@ -562,6 +562,7 @@ def sampling_seconds_per_token(stamps: list, prompt: int, seq: int) -> float:
     return my + slope * (mean_length - mx)
 
 
+@torch.no_grad()
 def sample_text(model, prompts: torch.Tensor, new_tokens: int, seed: int, batch: int = 64,
                 progress=None, keep_hidden: bool = False, step_times: list | None = None, cache: str = "static"):
     """The dense model's own continuations (temperature 1, no truncation) of short prompts: (n, p + new_tokens)
