@@ -131,9 +131,10 @@ class MaskedMoE(torch.nn.Module):
             return torch.cat([g[:, :n_exp], shared], 1)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        x = h.reshape(-1, h.shape[-1])
-        mask = self.gates(x)[:, self.labels]
-        return masked_ffn(x, self.gate, self.up, self.down, mask.to(x.dtype)).view(h.shape)
+        mask = self.gates(h.reshape(-1, h.shape[-1]))[:, self.labels]
+        # on h itself, not a flattened view of it: the output is then a tensor of its own, not a view (FSDP2 warns
+        # that an in-place op on a wrapped module's view output would skip its all-gather)
+        return masked_ffn(h, self.gate, self.up, self.down, mask.to(h.dtype).view(*h.shape[:-1], -1))
 
 
 def bf16_fast(device: str) -> bool:

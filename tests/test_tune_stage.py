@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -494,7 +495,11 @@ def test_offloaded_tuning_trains_what_plain_tuning_trains_and_resumes(carved, tm
     opts = TuneOptions(tokens=8 * 1024, generated=0.25, lr=0.02)
     plain, off, cut = (_copy(carve, tmp_path / n) for n in ("plain", "off", "cut"))
     ra = tune_output(dense, plain, opts)["tuning"]["runs"][0]
-    rb = tune_output(dense, off, opts, offload=True)["tuning"]["runs"][0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rb = tune_output(dense, off, opts, offload=True)["tuning"]["runs"][0]
+    # the student's MoE blocks return tensors of their own: FSDP2 warns of views (an in-place op would skip its hook)
+    assert not [str(w.message) for w in caught if "returned a view" in str(w.message)]
     assert not dist.is_initialized()  # the one-process group is gone with the run
     assert rb["offload"] and not ra["offload"]
     for (sa, ka), (sb, kb) in zip(ra["holdout_curve"], rb["holdout_curve"]):
