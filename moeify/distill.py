@@ -565,7 +565,8 @@ def sampling_seconds_per_token(stamps: list, prompt: int, seq: int) -> float:
 
 @torch.no_grad()
 def sample_text(model, prompts: torch.Tensor, new_tokens: int, seed: int, batch: int = 64,
-                progress=None, keep_hidden: bool = False, step_times: list | None = None, cache: str = "static"):
+                progress=None, keep_hidden: bool = False, step_times: list | None = None, cache: str = "static",
+                bf16: bool = False):
     """The dense model's own continuations (temperature 1, no truncation) of short prompts: (n, p + new_tokens)
     token windows of what the model itself predicts, for label-free distillation (LLM-QAT's data-free KL).
 
@@ -575,7 +576,9 @@ def sample_text(model, prompts: torch.Tensor, new_tokens: int, seed: int, batch:
     on them again. Batch b is sampled under seed + b. step_times: a list that gets (sequence length, time) after
     every generation step (sampling_seconds_per_token fits them). cache: transformers' KV cache, "static" (one
     buffer of the whole window, written in place: the same tokens, 22% less time on a 2-core CPU for SmolLM2's
-    512-token windows than "dynamic", which copies the growing cache at every step; BENCHMARKS.md)."""
+    512-token windows than "dynamic", which copies the growing cache at every step; BENCHMARKS.md). bf16: generate
+    under bf16 autocast (the hidden states kept are then those of a bf16 forward, as tuning's own teacher computes
+    under it; float16 storage either way)."""
     device = next(model.parameters()).device
     outs, hiddens, steps = [], [], []
     hook = model.model.norm.register_forward_hook(lambda m, i, o: steps.append(o.detach())) if keep_hidden else None
@@ -584,11 +587,12 @@ def sample_text(model, prompts: torch.Tensor, new_tokens: int, seed: int, batch:
             p = prompts[s:s + batch].to(device)
             torch.manual_seed(seed + s // batch)  # each batch its own seed: its text does not depend on the others
             n = new_tokens + (1 if keep_hidden else 0)
-            out = model.generate(input_ids=p, attention_mask=torch.ones_like(p), do_sample=True, temperature=1.0,
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                out = model.generate(input_ids=p, attention_mask=torch.ones_like(p), do_sample=True, temperature=1.0,
                                  top_k=0, top_p=1.0, max_new_tokens=n, min_new_tokens=n,
-                                 pad_token_id=0, eos_token_id=None,
-                                 **({"cache_implementation": "static"} if cache == "static" else {}),
-                                 **({"stopping_criteria": _step_clock(step_times)} if step_times is not None else {}))
+                                     pad_token_id=0, eos_token_id=None,
+                                     **({"cache_implementation": "static"} if cache == "static" else {}),
+                                     **({"stopping_criteria": _step_clock(step_times)} if step_times is not None else {}))
             outs.append(out[:, : p.shape[1] + new_tokens].cpu())
             if keep_hidden:
                 hiddens.append(torch.cat(steps, 1)[:, : p.shape[1] + new_tokens].to(torch.float16).cpu())

@@ -484,12 +484,14 @@ def real_windows(src_path: Path, sources, seq: int) -> tuple[torch.Tensor, torch
 
 
 def sampled_windows(teacher, real: torch.Tensor, n_windows: int, seed: int, folder: Path,
-                    progress: Progress | None, par=None) -> torch.Tensor:
+                    progress: Progress | None, par=None, bf16: bool = False) -> torch.Tensor:
     """n_windows of the dense model's own continuations of short prompts cut from the real text, sampled
     SAMPLE_BATCH at a time, each batch under its own seed and saved to `folder` as it is done (with the teacher's
     final hidden states at every position, kept from the sampling's forward passes: TeacherTargets), so an
     interrupted sampling resumes at its next batch with the same text. Across processes, batch b is sampled by
-    rank b mod world (the same text: each batch has its own seed)."""
+    rank b mod world (the same text: each batch has its own seed). bf16: sample under bf16 autocast, as the teacher
+    computes the real windows' targets (teacher_pass) when tuning runs under it: 29% less time a batch on an
+    AVX512-BF16 CPU, and its kept targets are as close to a float32 forward as the real windows' (BENCHMARKS.md)."""
     from .distill import sample_text
     from .parallel import Parallel
 
@@ -511,12 +513,12 @@ def sampled_windows(teacher, real: torch.Tensor, n_windows: int, seed: int, fold
         if mine:
             batch = prompts[b * SAMPLE_BATCH:(b + 1) * SAMPLE_BATCH]
             windows, hidden = sample_text(teacher, batch, seq - n_prompt, seed * 100_003 + b, batch=SAMPLE_BATCH,
-                                          keep_hidden=True)
+                                          keep_hidden=True, bf16=bf16)
             _atomic_save({"windows": windows.contiguous(), "hidden": hidden.contiguous()}, f)
             del windows, hidden
             release_memory()  # the sampling's KV cache
         else:  # the sharded teacher gathers each layer from every rank: a rank with nothing to do runs as many
-            sample_text(teacher, prompts[:1], seq - n_prompt, 0, batch=1, keep_hidden=True)  # forwards, 1 window
+            sample_text(teacher, prompts[:1], seq - n_prompt, 0, batch=1, keep_hidden=True, bf16=bf16)  # 1 window
         if progress:
             progress("sampling tuning text", min(first + par.world, n_batches) * SAMPLE_BATCH * seq,
                      n_batches * SAMPLE_BATCH * seq)
@@ -631,10 +633,11 @@ class _FreedFFN(torch.nn.Module):
 
 
 def tuning_data(root: Path, src_path: Path, base: BaseOutput, opts: TuneOptions, seq: int, seed: int, teacher,
-                progress: Progress | None, par=None) -> tuple[torch.Tensor, torch.Tensor, dict, TeacherTargets | None]:
+                progress: Progress | None, par=None, bf16: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor, dict, TeacherTargets | None]:
     """The run's tuning text, assembled once and saved in the state directory (a resumed run reads it back): every
     window of the real texts, and windows the dense model samples itself (opts.generated of the budget, never
-    repeated), a few of each held out for early stopping. Returns (train, held out, description, the teacher's
+    repeated; sampled under bf16 autocast when `bf16`, as tuning runs), a few of each held out for early stopping. Returns (train, held out, description, the teacher's
     targets kept from sampling)."""
     from .parallel import Parallel
 
@@ -646,12 +649,12 @@ def tuning_data(root: Path, src_path: Path, base: BaseOutput, opts: TuneOptions,
         n_gen = round(opts.generated * opts.tokens / seq)
         if n_gen:
             n_hold_gen = min(2, max(1, n_gen // 10))
-            sampled = sampled_windows(teacher, real, n_gen + n_hold_gen, seed, root / "sampled", progress, par)
+            sampled = sampled_windows(teacher, real, n_gen + n_hold_gen, seed, root / "sampled", progress, par, bf16)
             train.append(sampled[n_hold_gen:])
             held_parts.append(sampled[:n_hold_gen])
             text["generated"] = {"windows": int(sampled.shape[0]), "held_out": n_hold_gen,
                                  "prompt_tokens": min(16, seq // 4), "first_train_window": int(real.shape[0]),
-                                 "sample_batch": SAMPLE_BATCH}
+                                 "sample_batch": SAMPLE_BATCH, "bf16_autocast": bf16}
         train, held_out = torch.cat(train), torch.cat(held_parts)
         if held_out.shape[0] == 0:  # tiny texts: hold out the last training window rather than nothing
             held_out, train = train[-1:], train[:-1]
@@ -1017,9 +1020,10 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
     teacher = load_teacher(src, dev, par)
     teacher_bytes = local_bytes(teacher)
     seq = int(bo.report.get("calibration", {}).get("seq_len") or min(cfg.calib_seq_len, teacher.config.max_position_embeddings))
-    train, held, text, targets = tuning_data(root, src, bo, opts, seq, seed, teacher, progress, par)
     settings = DistillSettings(tokens=opts.tokens, lr=opts.lr, train_router=opts.train_router,
                                train_attention=opts.train_attention, seed=seed)
+    train, held, text, targets = tuning_data(root, src, bo, opts, seq, seed, teacher, progress, par,
+                                             bf16=_autocast(dev, settings.autocast)[1])
     held_targets = None
     if precompute_targets:
         targets, held_targets = teacher_pass(root, teacher, train, held, targets, settings, progress, par)
@@ -1108,11 +1112,12 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
     prompts = real[torch.arange(SAMPLE_BATCH) % real.shape[0], :n_prompt]  # fitted against the KV cache's length
     stamps: list = []  # the dynamic cache: its steps grow with the length, as the fit assumes (the run's static cache
     # is sized by the whole window, not by these 96 tokens, and is ~20% cheaper: the estimate errs high, not low)
-    sample_text(teacher, prompts, new, 0, batch=SAMPLE_BATCH, keep_hidden=True, step_times=stamps, cache="dynamic")
-    sampling_rate = sampling_seconds_per_token(stamps, n_prompt, seq) / SAMPLE_BATCH * 1024
     settings = DistillSettings(tokens=steps * 1024, lr=opts.lr, train_router=opts.train_router,
                                train_attention=opts.train_attention, evals=1)
-    ctx = _autocast(dev, settings.autocast)[0]
+    ctx, bf16 = _autocast(dev, settings.autocast)
+    sample_text(teacher, prompts, new, 0, batch=SAMPLE_BATCH, keep_hidden=True, step_times=stamps, cache="dynamic",
+                bf16=bf16)
+    sampling_rate = sampling_seconds_per_token(stamps, n_prompt, seq) / SAMPLE_BATCH * 1024
     # the teacher pass over the windows these steps draw (timed), then the teacher's FFNs freed, as the run does
     held1 = held[:1] if len(held) else real[-1:]
     drawn = drawn_windows(real.shape[0], settings.seed, max(1, settings.batch_tokens // seq), steps)

@@ -5,6 +5,7 @@ generate() (moeify.distill.sample_text(step_times=)), and the fit `tune --dry-ru
     .venv/bin/python scripts/bench_sampling.py models/smollm2-135m --threads 2 --prompt 16 --new 96
     .venv/bin/python scripts/bench_sampling.py models/smollm2-135m --threads 2 --prompt 440 --new 24   # late steps
     .venv/bin/python scripts/bench_sampling.py models/smollm2-135m --threads 2 --new 496 --cache dynamic  # a window
+    .venv/bin/python scripts/bench_sampling.py models/smollm2-135m --threads 2 --new 496 --bf16  # as tune samples
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=int, default=512, help="the window length the fit is read at (tune: 512)")
     ap.add_argument("--cache", choices=("static", "dynamic"), default="static", help="transformers' KV cache "
                     "(tune: static)")
+    ap.add_argument("--bf16", action="store_true", help="sample under bf16 autocast (tune: where tuning runs under "
+                    "it, i.e. on CPUs with AVX512-BF16/AMX and on GPUs)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     from transformers import AutoModelForCausalLM
@@ -38,13 +41,14 @@ def main(argv=None) -> int:
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
     prompts = torch.randint(100, model.config.vocab_size, (a.batch, a.prompt), generator=torch.Generator().manual_seed(0))
     stamps: list = []
-    t0 = time.time()
+    t0, c0 = time.time(), time.process_time()
     with torch.no_grad():
-        sample_text(model, prompts, a.new, 0, batch=a.batch, keep_hidden=True, step_times=stamps, cache=a.cache)
-    total = time.time() - t0
+        sample_text(model, prompts, a.new, 0, batch=a.batch, keep_hidden=True, step_times=stamps, cache=a.cache,
+                    bf16=a.bf16)
+    total, cpu = time.time() - t0, time.process_time() - c0
     steps = [(n, t - t_prev) for (_, t_prev), (n, t) in zip(stamps, stamps[1:])]
     print(f"{a.batch} x {a.new} tokens after {a.prompt}-token prompts: {total:.1f} s ({a.threads} thread(s), "
-          f"{a.cache} cache)")
+          f"{a.cache} cache, {'bf16 autocast' if a.bf16 else 'float32'}; CPU {cpu:.1f} s)")
     print(f"{'length':>8} {'ms a step':>10}")
     for n, d in steps[:: max(1, len(steps) // 8)]:
         print(f"{n:8d} {1000 * d:10.1f}")

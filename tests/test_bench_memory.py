@@ -53,3 +53,8 @@ def test_bench_sampling_prints_the_steps_and_the_dry_runs_fit(tmp_path, tokenize
     lengths = [int(r[0]) for r in rows if len(r) == 2 and r[0].isdigit()]
     assert lengths and lengths[0] == 6 and lengths == sorted(lengths) and lengths[-1] <= 17  # steps after the first (+1: keep_hidden)
     assert "fitted at the mean length of a 64-token window from 4-token prompts" in res.stdout
+    assert "static cache, float32" in res.stdout
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_sampling.py"), str(dense), "--batch", "4",
+                          "--prompt", "4", "--new", "12", "--bf16"],
+                         capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert res.returncode == 0 and "static cache, bf16 autocast" in res.stdout, res.stderr[-3000:]

@@ -406,6 +406,16 @@ def test_sampling_keeps_the_teachers_targets_and_tuning_skips_the_teacher_on_the
     with torch.no_grad():
         full = final_hidden(teacher, windows)
     assert (hidden.float() - full).abs().max().item() <= 2e-3 * full.abs().max().item()
+    # sampled under bf16 autocast (as tuning's teacher computes when it runs under it): the kept states are a bf16
+    # forward's, as far from float32 as a full bf16 forward over the same windows, and not the float32 ones
+    windows_b, hidden_b = sample_text(teacher, prompts, 12, seed=5, batch=4, keep_hidden=True, bf16=True)
+    with torch.no_grad():
+        full32 = final_hidden(teacher, windows_b)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            full16 = final_hidden(teacher, windows_b).float()
+    scale = full32.abs().max().item()
+    err_kept, err_full = ((t - full32).abs().max().item() for t in (hidden_b.float(), full16))
+    assert 2e-3 * scale < err_kept <= 3 * err_full
 
     ids = torch.randint(0, 97, (24, 16), generator=torch.Generator().manual_seed(1))
     results = []

@@ -411,6 +411,7 @@ def test_two_processes_under_bf16_autocast_compute_the_experts_by_fsdp2s_mixed_p
     ra, rb = _one_and_two_processes(dense, carve, tmp_path, ["--tokens", str(4 * 1024), "--tune-generated", "0.25",
                                                              "--lr", "0.02"], autocast="bf16")
     assert ra["bf16_autocast"] and rb["bf16_autocast"]
+    assert ra["text"]["generated"]["bf16_autocast"] and rb["text"]["generated"]["bf16_autocast"]  # sampled so too
     for (_, ka), (_, kb) in zip(ra["holdout_curve"], rb["holdout_curve"]):
         assert kb == pytest.approx(ka, rel=1e-4)
     _assert_trained_alike(tmp_path / "one", tmp_path / "two", carve)
