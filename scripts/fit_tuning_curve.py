@@ -63,8 +63,9 @@ def main() -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
-        for ax, preset in zip(axes, ("active-50", "active-25")):
+        presets = [p for p in ("active-50", "active-25") if any(pr == p for pr, _ in fits)]  # those with a fit
+        fig, axes = plt.subplots(1, len(presets), figsize=(5.5 * len(presets), 4.2), sharex=True, squeeze=False)
+        for ax, preset in zip(axes[0], presets):
             for (pr, text), (c, b, line) in fits.items():
                 if pr != preset:
                     continue
