@@ -589,7 +589,7 @@ def sample_text(model, prompts: torch.Tensor, new_tokens: int, seed: int, batch:
             n = new_tokens + (1 if keep_hidden else 0)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                 out = model.generate(input_ids=p, attention_mask=torch.ones_like(p), do_sample=True, temperature=1.0,
-                                 top_k=0, top_p=1.0, max_new_tokens=n, min_new_tokens=n,
+                                     top_k=0, top_p=1.0, max_new_tokens=n, min_new_tokens=n,
                                      pad_token_id=0, eos_token_id=None,
                                      **({"cache_implementation": "static"} if cache == "static" else {}),
                                      **({"stopping_criteria": _step_clock(step_times)} if step_times is not None else {}))

@@ -490,7 +490,7 @@ def sampled_windows(teacher, real: torch.Tensor, n_windows: int, seed: int, fold
     final hidden states at every position, kept from the sampling's forward passes: TeacherTargets), so an
     interrupted sampling resumes at its next batch with the same text. Across processes, batch b is sampled by
     rank b mod world (the same text: each batch has its own seed). bf16: sample under bf16 autocast, as the teacher
-    computes the real windows' targets (teacher_pass) when tuning runs under it: 29% less time a batch on an
+    computes the real windows' targets (teacher_pass) when tuning runs under it: 20% less time a batch on an
     AVX512-BF16 CPU, and its kept targets are as close to a float32 forward as the real windows' (BENCHMARKS.md)."""
     from .distill import sample_text
     from .parallel import Parallel
@@ -637,8 +637,8 @@ def tuning_data(root: Path, src_path: Path, base: BaseOutput, opts: TuneOptions,
                 ) -> tuple[torch.Tensor, torch.Tensor, dict, TeacherTargets | None]:
     """The run's tuning text, assembled once and saved in the state directory (a resumed run reads it back): every
     window of the real texts, and windows the dense model samples itself (opts.generated of the budget, never
-    repeated; sampled under bf16 autocast when `bf16`, as tuning runs), a few of each held out for early stopping. Returns (train, held out, description, the teacher's
-    targets kept from sampling)."""
+    repeated; sampled under bf16 autocast when `bf16`, as tuning runs), a few of each held out for early stopping.
+    Returns (train, held out, description, the teacher's targets kept from sampling)."""
     from .parallel import Parallel
 
     par = par or Parallel()
@@ -1022,8 +1022,8 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
     seq = int(bo.report.get("calibration", {}).get("seq_len") or min(cfg.calib_seq_len, teacher.config.max_position_embeddings))
     settings = DistillSettings(tokens=opts.tokens, lr=opts.lr, train_router=opts.train_router,
                                train_attention=opts.train_attention, seed=seed)
-    train, held, text, targets = tuning_data(root, src, bo, opts, seq, seed, teacher, progress, par,
-                                             bf16=_autocast(dev, settings.autocast)[1])
+    bf16 = _autocast(dev, settings.autocast)[1]
+    train, held, text, targets = tuning_data(root, src, bo, opts, seq, seed, teacher, progress, par, bf16=bf16)
     held_targets = None
     if precompute_targets:
         targets, held_targets = teacher_pass(root, teacher, train, held, targets, settings, progress, par)
@@ -1035,7 +1035,7 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
 
         par = with_offload(par)
     try:
-        student = _student(teacher, bo, reader, par, opts.train_attention, _autocast(dev, settings.autocast)[1])
+        student = _student(teacher, bo, reader, par, opts.train_attention, bf16)
         state = TuningState(root, save_every, par)
         saved = state.load()
         with _stop_on_signal(state, notify):
