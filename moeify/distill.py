@@ -591,6 +591,9 @@ def sample_text(model, prompts: torch.Tensor, new_tokens: int, seed: int, batch:
                 out = model.generate(input_ids=p, attention_mask=torch.ones_like(p), do_sample=True, temperature=1.0,
                                      top_k=0, top_p=1.0, max_new_tokens=n, min_new_tokens=n,
                                      pad_token_id=0, eos_token_id=None,
+                                     # on CUDA a static cache makes generate compile the forward with CUDA graphs,
+                                     # whose outputs (the hidden states the hook keeps) the next step overwrites
+                                     **({"disable_compile": True} if keep_hidden else {}),
                                      **({"cache_implementation": "static"} if cache == "static" else {}),
                                      **({"stopping_criteria": _step_clock(step_times)} if step_times is not None else {}))
             outs.append(out[:, : p.shape[1] + new_tokens].cpu())

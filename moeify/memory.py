@@ -84,6 +84,13 @@ class TuneMemory:
         return self.host * self.world + self.save_host
 
 
+def sampling_bytes_per_window(*, seq: int, n_layers: int, kv_heads: int, head_dim: int, hidden: int,
+                              vocab: int) -> int:
+    """Bytes one window adds to the sampling phase: its float32 KV cache (static, the whole window), the final
+    hidden states kept at every position, and a step's logits and sampling probabilities."""
+    return seq * (n_layers * 2 * kv_heads * head_dim * 4 + hidden * 4) + vocab * 4 * 2
+
+
 def tuning_memory(*, hidden: int, d_ff: int, n_layers: int, heads: int, kv_heads: int, head_dim: int, vocab: int,
                   tied: bool, experts: int, dense_layers: int = 0, seq: int = 512, micro_windows: int = 1,
                   kl_chunk: int = 256, sample_batch: int = 64, bf16: bool = False, train_attention: bool = False,
@@ -123,7 +130,8 @@ def tuning_memory(*, hidden: int, d_ff: int, n_layers: int, heads: int, kv_heads
         fsdp = sharded or (offload and device != "cpu")  # (across processes, or offloaded) the experts compute in
         activations += 2 * (L * attn if train_attention else 0) if fsdp else 2 * trainable  # bf16 by its policy
     kl = 4 * kl_chunk * vocab * 4 + (vocab * h * 2 if bf16 else 0)  # + the head's bf16 copy for the gradient
-    sampling = sample_batch * seq * (L * 2 * kv_heads * head_dim * 4 + h * 4) + sample_batch * vocab * 4 * 2
+    sampling = sample_batch * sampling_bytes_per_window(seq=seq, n_layers=L, kv_heads=kv_heads, head_dim=head_dim,
+                                                        hidden=h, vocab=vocab)
     return TuneMemory(teacher, student, activations, kl, sampling, CPU_BASELINE if device == "cpu" else 0, host,
                       freed, save_host, world)
 

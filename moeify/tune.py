@@ -57,7 +57,36 @@ from .partition import Partition
 TUNE_SUFFIX = ".moeify-tune"
 STATE_VERSION = 1
 SAVE_EVERY = 600.0  # seconds between saved states (and one at the last step, and on SIGINT / SIGTERM)
-SAMPLE_BATCH = 64  # windows the dense model samples at once
+SAMPLE_BATCH = 64  # windows the dense model samples at once on a CPU (and at least, on a GPU)
+GPU_SAMPLE_BATCH = 1024  # at most, on a GPU: sampling there is bound by kernel launches, not arithmetic (SmolLM2-135M
+# on an H200: 64, 256 and 1,024 windows of 496 new tokens each take 13.3-13.5 s, i.e. 16x the tokens a second at
+# 1,024; BENCHMARKS.md "GPU"), so a batch as large as half the free memory holds, up to this, costs no more a step
+GPU_SAMPLE_SHARE = 0.5  # of the GPU memory free when sampling starts (the rest: generate()'s temporaries, slack)
+
+
+def sample_batch_for(teacher, seq: int, n_windows: int, par=None) -> int:
+    """Windows sampled at once: SAMPLE_BATCH on a CPU (compute-bound: a larger batch costs as much more time a
+    step); on a GPU as many as GPU_SAMPLE_SHARE of its free memory holds (moeify.memory's bytes a window), between
+    SAMPLE_BATCH (what the memory check before the run counted) and GPU_SAMPLE_BATCH, and no more than the run
+    samples; across processes the smallest rank's (each samples whole batches of the same size)."""
+    from .memory import sampling_bytes_per_window
+    from .parallel import Parallel
+
+    dev = next(teacher.parameters()).device
+    if dev.type != "cuda":
+        return SAMPLE_BATCH
+    c = teacher.config
+    per_window = sampling_bytes_per_window(
+        seq=seq, n_layers=c.num_hidden_layers, kv_heads=c.num_key_value_heads or c.num_attention_heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads, hidden=c.hidden_size,
+        vocab=c.vocab_size)
+    return -(par or Parallel()).most(-gpu_sample_batch(torch.cuda.mem_get_info(dev)[0], per_window, n_windows))
+
+
+def gpu_sample_batch(free_bytes: int, window_bytes: int, n_windows: int) -> int:
+    """sample_batch_for on a GPU with free_bytes free, window_bytes a window."""
+    fits = int(GPU_SAMPLE_SHARE * free_bytes // max(1, window_bytes))
+    return max(SAMPLE_BATCH, min(GPU_SAMPLE_BATCH, fits, n_windows))
 
 Progress = Callable[..., None]
 
@@ -484,11 +513,12 @@ def real_windows(src_path: Path, sources, seq: int) -> tuple[torch.Tensor, torch
 
 
 def sampled_windows(teacher, real: torch.Tensor, n_windows: int, seed: int, folder: Path,
-                    progress: Progress | None, par=None, bf16: bool = False) -> torch.Tensor:
-    """n_windows of the dense model's own continuations of short prompts cut from the real text, sampled
-    SAMPLE_BATCH at a time, each batch under its own seed and saved to `folder` as it is done (with the teacher's
-    final hidden states at every position, kept from the sampling's forward passes: TeacherTargets), so an
-    interrupted sampling resumes at its next batch with the same text. Across processes, batch b is sampled by
+                    progress: Progress | None, par=None, bf16: bool = False) -> tuple[torch.Tensor, int]:
+    """n_windows of the dense model's own continuations of short prompts cut from the real text, sampled a batch
+    at a time (sample_batch_for: 64 windows on a CPU, more on a GPU; chosen once and kept in folder/batch.json),
+    each batch under its own seed and saved to `folder` as it is done (with the teacher's final hidden states at
+    every position, kept from the sampling's forward passes: TeacherTargets), so an interrupted sampling resumes
+    at its next batch with the same text. Returns the windows and the batch size. Across processes, batch b is sampled by
     rank b mod world (the same text: each batch has its own seed). bf16: sample under bf16 autocast, as the teacher
     computes the real windows' targets (teacher_pass) when tuning runs under it: 20% less time a batch on an
     AVX512-BF16 CPU, and its kept targets are as close to a float32 forward as the real windows' (BENCHMARKS.md)."""
@@ -503,7 +533,15 @@ def sampled_windows(teacher, real: torch.Tensor, n_windows: int, seed: int, fold
     offs = torch.randint(seq - n_prompt + 1, (n_windows,), generator=gen)
     prompts = torch.stack([w[o:o + n_prompt] for w, o in zip(starts, offs)])
     folder.mkdir(exist_ok=True)
-    n_batches = -(-n_windows // SAMPLE_BATCH)
+    meta = folder / "batch.json"
+    if meta.is_file():  # a resumed run samples its remaining batches at the size its first ones were
+        size = int(json.loads(meta.read_text())["sample_batch"])
+    else:
+        size = sample_batch_for(teacher, seq, n_windows, par)
+    par.barrier()  # every rank has looked for batch.json before it is written
+    if par.main and not meta.is_file():
+        meta.write_text(json.dumps({"sample_batch": size}))
+    n_batches = -(-n_windows // size)
     for first in range(0, n_batches, par.world):  # rounds: every rank samples (or idles) in step with the others
         b = first + par.rank
         f = folder / f"batch-{b:05d}.safetensors"
@@ -511,8 +549,8 @@ def sampled_windows(teacher, real: torch.Tensor, n_windows: int, seed: int, fold
         if par.on and not par.any(mine):
             continue
         if mine:
-            batch = prompts[b * SAMPLE_BATCH:(b + 1) * SAMPLE_BATCH]
-            windows, hidden = sample_text(teacher, batch, seq - n_prompt, seed * 100_003 + b, batch=SAMPLE_BATCH,
+            batch = prompts[b * size:(b + 1) * size]
+            windows, hidden = sample_text(teacher, batch, seq - n_prompt, seed * 100_003 + b, batch=size,
                                           keep_hidden=True, bf16=bf16)
             _atomic_save({"windows": windows.contiguous(), "hidden": hidden.contiguous()}, f)
             del windows, hidden
@@ -520,10 +558,10 @@ def sampled_windows(teacher, real: torch.Tensor, n_windows: int, seed: int, fold
         else:  # the sharded teacher gathers each layer from every rank: a rank with nothing to do runs as many
             sample_text(teacher, prompts[:1], seq - n_prompt, 0, batch=1, keep_hidden=True, bf16=bf16)  # 1 window
         if progress:
-            progress("sampling tuning text", min(first + par.world, n_batches) * SAMPLE_BATCH * seq,
-                     n_batches * SAMPLE_BATCH * seq)
+            progress("sampling tuning text", min((first + par.world) * size, n_windows) * seq, n_windows * seq)
     par.barrier()
-    return torch.cat([load_file(str(folder / f"batch-{b:05d}.safetensors"))["windows"] for b in range(n_batches)])
+    return torch.cat([load_file(str(folder / f"batch-{b:05d}.safetensors"))["windows"]
+                      for b in range(n_batches)]), size
 
 
 class TeacherTargets:
@@ -649,12 +687,13 @@ def tuning_data(root: Path, src_path: Path, base: BaseOutput, opts: TuneOptions,
         n_gen = round(opts.generated * opts.tokens / seq)
         if n_gen:
             n_hold_gen = min(2, max(1, n_gen // 10))
-            sampled = sampled_windows(teacher, real, n_gen + n_hold_gen, seed, root / "sampled", progress, par, bf16)
+            sampled, size = sampled_windows(teacher, real, n_gen + n_hold_gen, seed, root / "sampled", progress, par,
+                                            bf16)
             train.append(sampled[n_hold_gen:])
             held_parts.append(sampled[:n_hold_gen])
             text["generated"] = {"windows": int(sampled.shape[0]), "held_out": n_hold_gen,
                                  "prompt_tokens": min(16, seq // 4), "first_train_window": int(real.shape[0]),
-                                 "sample_batch": SAMPLE_BATCH, "bf16_autocast": bf16}
+                                 "sample_batch": size, "bf16_autocast": bf16}
         train, held_out = torch.cat(train), torch.cat(held_parts)
         if held_out.shape[0] == 0:  # tiny texts: hold out the last training window rather than nothing
             held_out, train = train[-1:], train[:-1]
@@ -1050,7 +1089,8 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
     info["offload"] = bool(offload)
     info["teacher_bytes"] = teacher_bytes  # this process's share of the teacher, as loaded (rank 0's)
     info["peak_bytes"], info["peak_what"] = _peak_memory(dev)
-    predicted = predicted_memory(src, bo, opts, seq, dev, world=par.world, offload=bool(offload))
+    predicted = predicted_memory(src, bo, opts, seq, dev, world=par.world, offload=bool(offload),
+                                 sample_batch=(text.get("generated") or {}).get("sample_batch", SAMPLE_BATCH))
     info["predicted_peak_bytes"] = predicted.peak
     if dev.startswith("cuda"):  # the host side of a GPU run: measured peak RSS beside the predicted host memory
         info["host_peak_bytes"], info["predicted_host_bytes"] = _peak_memory("cpu")[0], predicted.host_total
@@ -1109,15 +1149,17 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
     real, held, _ = real_windows(src, _text_sources(bo, opts), seq)
     n_prompt = min(16, seq // 4)
     new = min(seq - n_prompt, 96)  # a full sampling batch, a fifth of a window's new tokens: the cost per step,
-    prompts = real[torch.arange(SAMPLE_BATCH) % real.shape[0], :n_prompt]  # fitted against the KV cache's length
+    n_sampled = round(opts.generated * opts.tokens / seq)
+    size = sample_batch_for(teacher, seq, n_sampled + min(2, max(1, n_sampled // 10))) if n_sampled else SAMPLE_BATCH
+    prompts = real[torch.arange(size) % real.shape[0], :n_prompt]  # fitted against the KV cache's length
     stamps: list = []  # the dynamic cache: its steps grow with the length, as the fit assumes (the run's static cache
     # is sized by the whole window, not by these 96 tokens, and is ~20% cheaper: the estimate errs high, not low)
     settings = DistillSettings(tokens=steps * 1024, lr=opts.lr, train_router=opts.train_router,
                                train_attention=opts.train_attention, evals=1)
     ctx, bf16 = _autocast(dev, settings.autocast)
-    sample_text(teacher, prompts, new, 0, batch=SAMPLE_BATCH, keep_hidden=True, step_times=stamps, cache="dynamic",
+    sample_text(teacher, prompts, new, 0, batch=size, keep_hidden=True, step_times=stamps, cache="dynamic",
                 bf16=bf16)
-    sampling_rate = sampling_seconds_per_token(stamps, n_prompt, seq) / SAMPLE_BATCH * 1024
+    sampling_rate = sampling_seconds_per_token(stamps, n_prompt, seq) / size * 1024
     # the teacher pass over the windows these steps draw (timed), then the teacher's FFNs freed, as the run does
     held1 = held[:1] if len(held) else real[-1:]
     drawn = drawn_windows(real.shape[0], settings.seed, max(1, settings.batch_tokens // seq), steps)
@@ -1151,8 +1193,8 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
     teacher_tokens = n_real * (1 - (1 - 1 / n_all) ** (n_steps * per_step // seq)) * seq + held.shape[0] * seq
     sampling_s = sampled // seq * (seq - n_prompt) / 1024 * sampling_rate  # generated tokens (prompts are real)
     peak, what = _peak_memory(dev)
-    predicted = predicted_memory(src, bo, opts, seq, dev, settings, offload=offload)
-    return {"tokens": opts.tokens, "device": dev, "offload": bool(offload), "step_tokens": per_step,
+    predicted = predicted_memory(src, bo, opts, seq, dev, settings, offload=offload, sample_batch=size)
+    return {"sample_batch": size, "tokens": opts.tokens, "device": dev, "offload": bool(offload), "step_tokens": per_step,
             "step_seconds": step_s,
             "tokens_per_second": per_step / step_s, "steps": n_steps, "sampled_tokens": sampled,
             "sampling_seconds_per_1k": sampling_rate, "sampling_seconds": sampling_s,
@@ -1172,8 +1214,9 @@ def _peak_memory(dev: str) -> tuple[int, str]:
 
 
 def predicted_memory(src: Path, bo: BaseOutput, opts: TuneOptions, seq: int, dev: str, settings=None, world: int = 1,
-                     offload: bool = False):
-    """moeify.memory's prediction for this run (the config of SRC, the layout of the output)."""
+                     offload: bool = False, sample_batch: int = SAMPLE_BATCH):
+    """moeify.memory's prediction for this run (the config of SRC, the layout of the output; sample_batch: the
+    windows sampled at once, SAMPLE_BATCH where the run has not chosen yet, the least it samples)."""
     from .distill import DistillSettings, _autocast
     from .families import load_source
     from .memory import source_tuning_memory
@@ -1181,7 +1224,7 @@ def predicted_memory(src: Path, bo: BaseOutput, opts: TuneOptions, seq: int, dev
     settings = settings or DistillSettings(tokens=opts.tokens)
     return source_tuning_memory(load_source(src), bo.cfg.experts, len(bo.cfg.dense_layers), seq=seq,
                                 micro_windows=settings.micro_windows, kl_chunk=settings.kl_chunk,
-                                sample_batch=SAMPLE_BATCH, bf16=_autocast(dev, settings.autocast)[1],
+                                sample_batch=sample_batch, bf16=_autocast(dev, settings.autocast)[1],
                                 train_attention=opts.train_attention, device=dev, world=world, offload=offload)
 
 

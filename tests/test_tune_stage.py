@@ -164,7 +164,7 @@ def test_interrupted_sampling_resumes_at_its_next_batch(carved, tmp_path, monkey
     with pytest.raises(KeyboardInterrupt):
         tune_output(dense, b, opts, progress=stop_sampling)
     assert sorted(f.name for f in (state_dir(b) / "sampled").iterdir()) == ["batch-00000.safetensors",
-                                                                           "batch-00001.safetensors"]
+                                                                           "batch-00001.safetensors", "batch.json"]
     seen = []
     tune_output(dense, b, None, resume=True, progress=lambda stage, done, total, note="": seen.append((stage, done)))
     assert seen[0] == ("sampling tuning text", 8 * 64)  # batch 0 read back, not sampled again
@@ -456,6 +456,42 @@ def test_teacher_pass_and_sampling_run_in_step_with_the_busiest_rank(carved, tmp
         sampled_windows(teacher, train, SAMPLE_BATCH + 1, 0, folder, None, _OtherRankBusier(0))
         runs.append(list(calls))
     assert runs == [steps, steps]  # its own last window, then a one-window stand-in: the same forwards
+
+
+def test_gpu_sample_batch_fills_half_the_free_memory_between_64_and_1024_windows():
+    """On a GPU sampling is launch-bound, so the batch grows into half the free memory (at the memory model's
+    bytes a window), never below the CPU's 64 (what the memory check counted) nor above 1,024 or the run's need."""
+    from moeify.memory import sampling_bytes_per_window
+    from moeify.tune import gpu_sample_batch
+
+    w = sampling_bytes_per_window(seq=512, n_layers=30, kv_heads=3, head_dim=64, hidden=576, vocab=49152)
+    assert w == 512 * (30 * 2 * 3 * 64 * 4 + 576 * 4) + 49152 * 8  # SmolLM2-135M: 25.2 MB a window
+    assert gpu_sample_batch(10 * 10**9, w, 10_000) == int(0.5 * 10 * 10**9 // w) == 198
+    assert gpu_sample_batch(10 * 10**9, w, 150) == 150  # no more than the run samples
+    assert gpu_sample_batch(10**9, w, 10_000) == 64  # too little free: the CPU's batch, as the check counted
+    assert gpu_sample_batch(140 * 2**30, w, 10_000) == 1024
+
+
+def test_sampling_resumes_at_the_batch_size_it_started_with(carved, tmp_path):
+    """The batch size is kept in the sampling folder: a run resumed on another machine (or with less GPU memory
+    free) samples its remaining batches at the size, and so under the seeds, of its first ones."""
+    from moeify.parallel import Parallel
+    from moeify.tune import sampled_windows
+
+    dense, _ = carved
+    teacher = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
+    real = torch.randint(0, 64, (10, 16), generator=torch.Generator().manual_seed(0))
+    folder = tmp_path / "sampled"
+    folder.mkdir()
+    (folder / "batch.json").write_text(json.dumps({"sample_batch": 3}))
+    windows, size = sampled_windows(teacher, real, 7, 0, folder, None, Parallel())
+    assert size == 3 and windows.shape == (7, 16)
+    assert sorted(f.name for f in folder.glob("batch-*")) == [f"batch-{b:05d}.safetensors" for b in range(3)]
+    fresh = tmp_path / "fresh"
+    windows2, size2 = sampled_windows(teacher, real, 7, 0, fresh, None, Parallel())
+    assert size2 == 64 and json.loads((fresh / "batch.json").read_text()) == {"sample_batch": 64}  # a CPU's
+    assert torch.equal(windows2[:, :4], windows[:, :4]) and not torch.equal(windows2, windows)  # same prompts;
+    # the batches' own seeds give other text
 
 
 def test_teacher_pass_frees_the_teachers_ffns_and_trains_what_the_teacher_in_the_loop_trains(carved, tmp_path,
