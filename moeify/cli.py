@@ -346,7 +346,7 @@ def tune(
     out: Path = typer.Argument(..., help="A moeify output (tuned or not); replaced by the tuned model when the run "
                                "ends."),
     tokens: Optional[int] = typer.Option(None, "--tokens", "--tune-tokens", help="Fresh tuning tokens of this run "
-                                         "(its own warm-up and cosine schedule). Quality keeps improving with tokens "
+                                         "(a short warm-up, then a cosine: --schedule). Quality keeps improving with tokens "
                                          "(BENCHMARKS.md); about 7 CPU seconds per 1,024 tokens for a 135M model on "
                                          "2 cores; use a GPU for 7B+."),
     calib: Optional[list[Path]] = typer.Option(None, "--calib", help="Real tuning text (.txt/.jsonl; repeatable) "
@@ -364,6 +364,10 @@ def tune(
                                                   "attention projections and RMSNorm weights [default: off]."),
     seed: Optional[int] = typer.Option(None, help="Seed of the token stream and the sampled text [default: OUT's "
                                        "seed + 1000 x the number of earlier runs, so every run sees new text]."),
+    schedule: Optional[str] = typer.Option(None, "--schedule", help="Step-size schedule of a tuned OUT's further "
+                                           "tuning: continue = the rest of one cosine over its earlier tuning tokens "
+                                           "and these (a doubling starts at half the peak step); restart = a whole "
+                                           "cosine from the peak [default: continue]."),
     device: str = typer.Option("auto", help="auto (a GPU if there is one) | cpu | cuda."),
     resume: bool = typer.Option(False, "--resume", help="Continue the interrupted run saved in OUT.moeify-tune "
                                 "(its settings; flags that differ are refused)."),
@@ -398,7 +402,7 @@ def tune(
     given = {"tokens": tokens, "lr": lr, "generated": tune_generated,
              "calib": None if calib is None else tuple(str(f) for f in calib),
              "tune_text": None if tune_text is None else tuple(str(f) for f in tune_text),
-             "train_router": tune_router, "train_attention": tune_attention, "seed": seed}
+             "train_router": tune_router, "train_attention": tune_attention, "seed": seed, "schedule": schedule}
     try:
         opts = None
         if not resume:

@@ -13,7 +13,8 @@ Why these choices (BENCHMARKS.md, "Recovery tuning", has the measurements):
   dense model samples itself: what the teacher knows is what the student is taught), and every early-stopping
   decision is taken on held-out windows of that mix that no step trains on.
 - Step sizes relative to each tensor's RMS (Adam updates have the size of the learning rate), linear warm-up then
-  cosine decay over the whole token budget.
+  cosine decay over the whole token budget (a continued run: the rest of one cosine over its earlier tokens and its
+  own, DistillSettings.schedule_from).
 - Trainable routing that exports to the stock formats: each layer's router is trained with its temperature (a log
   scale, starting at the carve's unit-gate scale, so step 0 is exactly the carved model). The gate weights are the
   format's own softmax weights, so whatever is learned is what Mixtral / Qwen2-MoE compute; the top-k choice has no
@@ -60,6 +61,8 @@ class DistillSettings:
     batch_tokens: int = 1024
     micro_windows: int = 1  # windows per forward + backward (gradients accumulate over a step's micro-batches)
     warmup_steps: int = 5
+    schedule_from: float = 0.0  # where in its cosine the run starts (0: the peak); a continued run's schedule is the
+    # rest of one cosine over its earlier tokens and these (moeify.tune.TuneOptions.schedule_from)
     evals: int = 6  # held-out checks over the run; the best checked weights are kept
     autocast: str = "auto"  # auto | bf16 | off
     kl_chunk: int = 256  # tokens per KL chunk (bounds the logits held at once)
@@ -384,10 +387,12 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
     total = max(1, math.ceil(settings.tokens / (per_step * seq)))
     warm = min(settings.warmup_steps, max(1, total // 10))
 
-    def lr_at(step: int) -> float:  # step 0-based
+    start = settings.schedule_from
+
+    def lr_at(step: int) -> float:  # step 0-based; warm-up to the cosine's value at `start`, then its rest
         if step < warm:
-            return (step + 1) / warm
-        return 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
+            return (step + 1) / warm * 0.5 * (1 + math.cos(math.pi * start))
+        return 0.5 * (1 + math.cos(math.pi * (start + (1 - start) * (step - warm) / max(1, total - warm))))
 
     ctx, bf16 = _autocast(str(device), settings.autocast)
     head = student.lm_head.weight

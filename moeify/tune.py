@@ -57,6 +57,7 @@ from .partition import Partition
 TUNE_SUFFIX = ".moeify-tune"
 STATE_VERSION = 1
 SAVE_EVERY = 600.0  # seconds between saved states (and one at the last step, and on SIGINT / SIGTERM)
+SCHEDULES = ("continue", "restart")
 SAMPLE_BATCH = 64  # windows the dense model samples at once on a CPU (and at least, on a GPU)
 GPU_SAMPLE_BATCH = 1024  # at most, on a GPU: sampling there is bound by kernel launches, not arithmetic (SmolLM2-135M
 # on an H200: 64, 256 and 1,024 windows of 496 new tokens each take 13.3-13.5 s, i.e. 16x the tokens a second at
@@ -100,7 +101,7 @@ def state_dir(out: Path) -> Path:
 class TuneOptions:
     """What a tuning run is asked to do (`moeify tune` flags; `convert` derives them from its --tune-* flags)."""
 
-    tokens: int  # training tokens of this run (its own warm-up and cosine schedule)
+    tokens: int  # training tokens of this run (its warm-up and cosine: see schedule)
     lr: float = 0.003  # Adam step relative to each expert tensor's RMS (moeify.distill.DistillSettings.lr)
     generated: float = 0.5  # share of the tokens the dense model samples itself
     calib: tuple[str, ...] = ()  # real tuning text; () = the output's own calibration text (its moeify.toml)
@@ -108,6 +109,8 @@ class TuneOptions:
     train_router: bool = True
     train_attention: bool = False
     seed: int | None = None  # None: the output's seed, moved on by the number of earlier runs (fresh text each run)
+    schedule: str = "continue"  # continue: the step size follows one cosine over the output's earlier tuning tokens
+    # and these (a doubling starts at half the peak and decays to 0); restart: a whole cosine from the peak
 
     def validate(self) -> None:
         if not isinstance(self.tokens, int) or isinstance(self.tokens, bool) or self.tokens < 1:
@@ -117,9 +120,16 @@ class TuneOptions:
         if not 0.0 <= self.generated < 1.0:
             raise MoeifyError(f"--tune-generated must be in [0, 1) (the share of tuning windows the dense model "
                               f"samples itself), got {self.generated}")
+        if self.schedule not in SCHEDULES:
+            raise MoeifyError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         for f in (*self.calib, *self.tune_text):
             if not Path(f).is_file():
                 raise MoeifyError(f"tuning text {f} not found", "pass existing .txt/.jsonl files to --calib / --tune-text")
+
+    def schedule_from(self, prior_tokens: int) -> float:
+        """Where in one cosine schedule over prior_tokens + tokens this run starts (DistillSettings.schedule_from):
+        prior / (prior + tokens) when continuing a tuned output, 0 for a fresh output or a restarted schedule."""
+        return prior_tokens / (prior_tokens + self.tokens) if self.schedule == "continue" and prior_tokens > 0 else 0.0
 
 
 def options_from_config(cfg: ConvertConfig) -> TuneOptions:
@@ -997,7 +1007,8 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
         if run_info.get("version") != STATE_VERSION:
             raise MoeifyError(f"{root} was written by another version of moeify", "start again with --restart")
         base = root / run_info["base"] if run_info["base"] == "carved" else out
-        saved = TuneOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in run_info["options"].items()})
+        options = {"schedule": "restart", **run_info["options"]}  # states saved before --schedule ran whole cosines
+        saved = TuneOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in options.items()})
         for k, v in (given or {}).items():
             if v is not None and getattr(saved, k) != (tuple(v) if isinstance(v, list) else v):
                 raise MoeifyError(f"--resume: the interrupted run was started with {k} = {getattr(saved, k)!r}, "
@@ -1059,8 +1070,9 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
     teacher = load_teacher(src, dev, par)
     teacher_bytes = local_bytes(teacher)
     seq = int(bo.report.get("calibration", {}).get("seq_len") or min(cfg.calib_seq_len, teacher.config.max_position_embeddings))
+    schedule_from = opts.schedule_from(sum(int(r.get("tokens", 0)) for r in bo.runs))
     settings = DistillSettings(tokens=opts.tokens, lr=opts.lr, train_router=opts.train_router,
-                               train_attention=opts.train_attention, seed=seed)
+                               train_attention=opts.train_attention, seed=seed, schedule_from=schedule_from)
     bf16 = _autocast(dev, settings.autocast)[1]
     train, held, text, targets = tuning_data(root, src, bo, opts, seq, seed, teacher, progress, par, bf16=bf16)
     held_targets = None
@@ -1094,7 +1106,8 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
     info["predicted_peak_bytes"] = predicted.peak
     if dev.startswith("cuda"):  # the host side of a GPU run: measured peak RSS beside the predicted host memory
         info["host_peak_bytes"], info["predicted_host_bytes"] = _peak_memory("cpu")[0], predicted.host_total
-    info = {"scope": "model", "lr": opts.lr, "seed": seed, "text": text, "resumed": saved is not None,
+    info = {"scope": "model", "lr": opts.lr, "schedule": opts.schedule, "schedule_from": round(schedule_from, 6),
+            "seed": seed, "text": text, "resumed": saved is not None,
             "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), **info}
     del teacher
     release_memory()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -240,6 +241,44 @@ def test_a_tuned_output_tunes_further_and_keeps_its_history(carved, tmp_path):
     assert "[tuning]\ntokens = 18432\nruns = 2" in toml
     assert any(not torch.equal(first_weights[n], t) for n, t in _tensors(out).items())
     assert verify_checkpoint(out, against=dense).problems == []
+
+
+def test_further_tuning_continues_one_cosine_over_all_its_tokens_unless_restarted(carved, tmp_path):
+    """A tuned output tuned N more tokens follows the rest of one cosine over its earlier tokens and these (a doubling
+    starts at half the peak step and decays to 0), so it moves the tuned weights less than a re-warmed whole cosine;
+    --schedule restart is the whole cosine; a state saved before --schedule existed resumes as the whole cosine."""
+    assert TuneOptions(tokens=100).schedule_from(0) == 0.0
+    assert TuneOptions(tokens=100).schedule_from(300) == 0.75
+    assert TuneOptions(tokens=100, schedule="restart").schedule_from(300) == 0.0
+    with pytest.raises(MoeifyError, match="--schedule must be one of continue, restart"):
+        TuneOptions(tokens=100, schedule="warm").validate()
+    dense, carve = carved
+    first = _copy(carve, tmp_path / "first")
+    tune_output(dense, first, OPTS)
+    tuned = _tensors(first)
+    moved = {}
+    for kind in ("continue", "restart"):
+        out = _copy(first, tmp_path / kind)
+        run = tune_output(dense, out, dataclasses.replace(OPTS, schedule=kind))["tuning"]["runs"][-1]
+        assert (run["schedule"], run["schedule_from"]) == (kind, 0.5 if kind == "continue" else 0.0)
+        moved[kind] = sum(float((t - tuned[n]).norm()) for n, t in _tensors(out).items())
+    assert 0 < moved["continue"] < 0.7 * moved["restart"]  # mean step 0.18 of the peak against 0.5
+
+    old = _copy(first, tmp_path / "old")
+
+    def stop_sampling(stage, done, total, note=""):
+        if stage == "sampling tuning text":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        tune_output(dense, old, OPTS, progress=stop_sampling)
+    run_json = state_dir(old) / "run.json"
+    info = json.loads(run_json.read_text())
+    del info["options"]["schedule"]
+    run_json.write_text(json.dumps(info))
+    run = tune_output(dense, old, None, resume=True)["tuning"]["runs"][-1]
+    assert (run["schedule"], run["schedule_from"]) == ("restart", 0.0)
+    _assert_identical(old, tmp_path / "restart")
 
 
 def test_stale_or_foreign_state_is_refused(carved, tmp_path, tokenizer_dir):
