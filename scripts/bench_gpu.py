@@ -123,6 +123,10 @@ def main() -> None:
     ap.add_argument("--calib-tokens", type=int, default=16384, help="calibration tokens of the synthetic shapes")
     ap.add_argument("--curve-tokens", type=int, default=8 * 2**20, help="the curve's last total of tuning tokens")
     ap.add_argument("--first-tokens", type=int, default=262144, help="the curve's first run")
+    ap.add_argument("--curve-single", action="store_true", help="each point of the curve one run of its total from "
+                    "the carve (as `convert --tune-tokens N` tunes), not continued legs: 2x the tokens for the same "
+                    "points, and the better schedule at equal tokens (BENCHMARKS.md, \"One schedule or continued "
+                    "ones\")")
     ap.add_argument("--offload-tokens", type=int, default=16384, help="tokens of the plain and offloaded tuning runs")
     ap.add_argument("--eval-tokens", type=int, default=8192)
     ap.add_argument("--eval", type=Path, nargs="+", default=None, help="held-out texts [default: bench_curve.py's "
@@ -307,10 +311,15 @@ def main() -> None:
     # 5. the tokens -> quality curve (real weights only)
     def curve() -> str:
         curve_dir = args.work / "curve-active-50"
-        subprocess.run(["rm", "-rf", str(curve_dir), f"{curve_dir}.moeify-tune"], check=True)  # and a stopped run's
-        subprocess.run(["cp", "-r", str(carves[("smollm2-135m", "active-50")]), str(curve_dir)], check=True)
+
+        def fresh() -> None:  # the carve again (and no stopped run's state)
+            subprocess.run(["rm", "-rf", str(curve_dir), f"{curve_dir}.moeify-tune"], check=True)
+            subprocess.run(["cp", "-r", str(carves[("smollm2-135m", "active-50")]), str(curve_dir)], check=True)
+
+        fresh()
         total, run_tokens, leg_s = 0, args.first_tokens, None
-        while total + run_tokens <= max(args.curve_tokens, args.first_tokens) and budget.left() > 30:
+        while ((run_tokens if args.curve_single else total + run_tokens) <= max(args.curve_tokens, args.first_tokens)
+               and budget.left() > 30):
             if leg_s is not None and leg_s * 2 > budget.left():
                 # a leg twice the last one's tokens would be stopped by the budget, and a stopped leg measures
                 # nothing: end here (the machine goes back sooner)
@@ -318,9 +327,11 @@ def main() -> None:
                                           f"{budget.left():.0f} s left)")
                 break
             t0 = time.time()
+            if args.curve_single and leg_s is not None:
+                fresh()
             r = moeify(budget, "tune", str(args.model), str(curve_dir), "--tokens", str(run_tokens), *dev,
                        json_out=True)
-            total += run_tokens
+            total = run_tokens if args.curve_single else total + run_tokens
             script(budget, "bench_curve.py", str(args.model), str(curve_dir), "--eval-tokens", str(args.eval_tokens),
                    "--device", args.device, *(["--eval", *map(str, args.eval)] if args.eval else []),
                    "--json", str(args.work / "curve.json"), "--append")
@@ -334,7 +345,7 @@ def main() -> None:
             print(f"curve: {total:,} tokens, ratio " + " ".join(f"{v:.3f}" for v in point["ratio"].values())
                   + f" ({r['wall_s']:.0f} s tuning)", flush=True)
             save()
-            run_tokens = total  # double the total
+            run_tokens = 2 * total if args.curve_single else total  # double the total
         return f"{len(results['curve'])} points"
 
     if not real:

@@ -65,6 +65,16 @@ def test_bench_gpu_curve_only_runs_the_curve_alone(tmp_path, tokenizer_dir):
     out = json.loads((tmp_path / "gpu.json").read_text())
     assert set(out["carve"]["smollm2-135m"]) == {"active-50"} and [p["tokens"] for p in out["curve"]] == [1024]
     assert out["tuning"] == {} and out["decode"] == {} and out["offload"] == {} and out["errors"] == {}
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--device", "cpu", "--quick",
+                          "--curve-only", "--curve-single", "--model", str(dense), "--work", str(tmp_path / "work1"),
+                          "--calib", str(CORPUS), "--eval", str(CORPUS), "--eval-tokens", "1024", "--first-tokens",
+                          "1024", "--curve-tokens", "2048", "--json", str(tmp_path / "single.json")],
+                         capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-2000:]
+    single = json.loads((tmp_path / "single.json").read_text())["curve"]
+    assert [p["tokens"] for p in single] == [1024, 2048]  # each point one run from the carve: the same start
+    points = json.loads((tmp_path / "work1" / "curve.json").read_text())["points"]
+    assert [[r["tokens"] for r in p["runs"]] for p in points] == [[1024], [2048]]  # not 1024 + 1024 continued
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--device", "cpu", "--offline",
                           "--curve-only", "--model", str(tmp_path / "absent")], capture_output=True, text=True,
                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
