@@ -216,7 +216,8 @@ def print_tuning(console: Console, report: dict, header: bool = True, estimate: 
         t.add_column("", justify="right")
         t.add_row("tuning step", f"{e['step_seconds']:.2f} s per {e['step_tokens']:,} tokens "
                   f"({e['tokens_per_second']:,.0f} tok/s)")
-        t.add_row("sampling", f"{e['sampled_tokens']:,} tokens, {e['sampling_seconds_per_1k']:.2f} s per 1,024")
+        t.add_row("sampling", f"{e['sampled_tokens']:,} tokens, {e['sampling_seconds_per_1k']:.2f} s per 1,024"
+                  + (f", {e['sample_batch']:,} windows at once" if e.get("sample_batch") else ""))
         t.add_row("estimated time", f"{_duration(e['estimated_seconds'])} (sampling "
                   f"{_duration(e['sampling_seconds'])}, teacher pass {_duration(e.get('teacher_pass_seconds', 0))})")
         p = e["predicted"]
