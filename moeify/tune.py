@@ -546,6 +546,8 @@ def sampled_windows(teacher, real: torch.Tensor, n_windows: int, seed: int, fold
     meta = folder / "batch.json"
     if meta.is_file():  # a resumed run samples its remaining batches at the size its first ones were
         size = int(json.loads(meta.read_text())["sample_batch"])
+    elif any(folder.glob("batch-*.safetensors")):  # batches saved before batch.json was kept: all were 64
+        size = SAMPLE_BATCH
     else:
         size = sample_batch_for(teacher, seq, n_windows, par)
     par.barrier()  # every rank has looked for batch.json before it is written

@@ -511,9 +511,10 @@ def test_gpu_sample_batch_fills_half_the_free_memory_between_64_and_1024_windows
     assert gpu_sample_batch(140 * 2**30, w, 10_000) == 1024
 
 
-def test_sampling_resumes_at_the_batch_size_it_started_with(carved, tmp_path):
+def test_sampling_resumes_at_the_batch_size_it_started_with(carved, tmp_path, monkeypatch):
     """The batch size is kept in the sampling folder: a run resumed on another machine (or with less GPU memory
     free) samples its remaining batches at the size, and so under the seeds, of its first ones."""
+    import moeify.tune as tune_mod
     from moeify.parallel import Parallel
     from moeify.tune import sampled_windows
 
@@ -531,6 +532,10 @@ def test_sampling_resumes_at_the_batch_size_it_started_with(carved, tmp_path):
     assert size2 == 64 and json.loads((fresh / "batch.json").read_text()) == {"sample_batch": 64}  # a CPU's
     assert torch.equal(windows2[:, :4], windows[:, :4]) and not torch.equal(windows2, windows)  # same prompts;
     # the batches' own seeds give other text
+    monkeypatch.setattr(tune_mod, "sample_batch_for", lambda *a: 5)  # as a GPU would choose
+    (fresh / "batch.json").unlink()  # a state from before batch.json: its batches were 64 windows, wherever it ran
+    assert sampled_windows(teacher, real, 7, 0, fresh, None, Parallel())[1] == 64
+    assert sampled_windows(teacher, real, 7, 0, tmp_path / "gpu", None, Parallel())[1] == 5  # a new run: chosen
 
 
 def test_teacher_pass_frees_the_teachers_ffns_and_trains_what_the_teacher_in_the_loop_trains(carved, tmp_path,
