@@ -316,7 +316,6 @@ def main() -> None:
             subprocess.run(["rm", "-rf", str(curve_dir), f"{curve_dir}.moeify-tune"], check=True)
             subprocess.run(["cp", "-r", str(carves[("smollm2-135m", "active-50")]), str(curve_dir)], check=True)
 
-        fresh()
         total, run_tokens, leg_s = 0, args.first_tokens, None
         while ((run_tokens if args.curve_single else total + run_tokens) <= max(args.curve_tokens, args.first_tokens)
                and budget.left() > 30):
@@ -327,7 +326,7 @@ def main() -> None:
                                           f"{budget.left():.0f} s left)")
                 break
             t0 = time.time()
-            if args.curve_single and leg_s is not None:
+            if args.curve_single or leg_s is None:  # a single run starts from the carve, as the first leg does
                 fresh()
             r = moeify(budget, "tune", str(args.model), str(curve_dir), "--tokens", str(run_tokens), *dev,
                        json_out=True)
