@@ -160,29 +160,85 @@ def _autocast(device: str, mode: str):
     return torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=on), on
 
 
+def _kl_and_diff_eager(lt: torch.Tensor, ls: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """From a chunk's teacher and student logits (float32, (n, V); ls is overwritten): the chunk's summed
+    KL(teacher || student) and p_s - p_t, in place where it can be (one (n, V) temporary beyond the inputs)."""
+    t = F.log_softmax(lt, dim=-1)
+    s = F.log_softmax(ls, dim=-1)
+    pt = t.exp()
+    kl = (pt * (t - s)).sum()
+    del t
+    return kl, s.exp_().sub_(pt)
+
+
+def _kl_and_diff_fused(lt: torch.Tensor, ls: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same computation written for torch.compile, which fuses its dozen passes over the (n, V) logits into a
+    few (the elementwise part of the KL: a third of its cost before, measured in BENCHMARKS "The KL fused")."""
+    t = F.log_softmax(lt, dim=-1)
+    s = F.log_softmax(ls, dim=-1)
+    pt = t.exp()
+    return (pt * (t - s)).sum(), s.exp() - pt
+
+
+FUSE_MIN_ELEMENTS = 1 << 22  # a chunk's logits smaller than this (tiny models, tests) stay eager: nothing to win
+_FUSED: dict = {}
+
+
+def _fused_kl_fn():
+    """torch.compile of _kl_and_diff_fused, or None where it cannot be had (no compiler, an unsupported platform;
+    MOEIFY_COMPILE=0 turns it off). Compiled once per process; a failure is reported once and the eager code runs."""
+    if "fn" not in _FUSED:
+        fn = None
+        if os.environ.get("MOEIFY_COMPILE", "1") != "0":
+            try:
+                fn = torch.compile(_kl_and_diff_fused, dynamic=False)
+            except Exception as e:  # torch.compile itself unavailable (e.g. an unsupported Python)
+                _fused_failed(e)
+        _FUSED["fn"] = fn
+    return _FUSED["fn"]
+
+
+def _fused_failed(e: Exception) -> None:
+    import warnings
+    _FUSED["fn"] = None
+    warnings.warn(f"moeify: the fused KL could not be compiled ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                  "computing it eagerly (slower, same result). Set MOEIFY_COMPILE=0 to skip the attempt.")
+
+
+def kl_and_diff(lt: torch.Tensor, ls: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed KL(teacher || student), p_s - p_t) of a chunk's float32 logits: fused by torch.compile where the
+    chunk is large enough to gain, eager otherwise or where compiling fails. The two agree to float32 rounding."""
+    fn = _fused_kl_fn() if lt.numel() >= FUSE_MIN_ELEMENTS else None
+    if fn is not None:
+        try:
+            return fn(lt, ls)
+        except Exception as e:  # a compiler missing or failing on this machine: found at the first call
+            _fused_failed(e)
+    return _kl_and_diff_eager(lt, ls)
+
+
 class _ChunkKL(torch.autograd.Function):
     """Sum over a chunk's tokens of KL(teacher || student) from both models' final hidden states, with the gradient
     computed in the forward pass: d KL / d student logits = softmax(student) - softmax(teacher), so d KL / d hs =
     (p_s - p_t) @ head. Only that (chunk, d) gradient is kept for backward, not the chunk's (chunk, V) logits: memory
     stays bounded at any vocabulary, and a step costs three head products per chunk (teacher, student, gradient)
-    instead of the four or five of autograd with kept or recomputed logits. The logits, softmax and KL are float32;
-    the gradient product runs in head_g's dtype (head cast to bf16 under bf16 autocast, like the rest of the backward
-    pass; head itself otherwise)."""
+    instead of the four or five of autograd with kept or recomputed logits. The logits, softmax and KL are float32
+    (the softmax and KL fused, kl_and_diff); the gradient product runs in head_g's dtype (head cast to bf16 under
+    bf16 autocast, like the rest of the backward pass; head itself otherwise)."""
 
     @staticmethod
     def forward(ctx, hs, ht, head, head_g):
         with torch.no_grad():
-            t = F.log_softmax(ht.float() @ head.float().T, dim=-1)
-            s = F.log_softmax(hs.float() @ head.float().T, dim=-1)
-            pt = t.exp()
-            kl = (pt * (t - s)).sum()
-            if ctx.needs_input_grad[0] or ctx.needs_input_grad[2]:
-                del t
-                diff = s.exp_().sub_(pt)  # (chunk, V): p_s - p_t, in place of the student's log-probabilities
-                del pt
-                g_hs = (diff.to(head_g.dtype) @ head_g).to(hs.dtype) if ctx.needs_input_grad[0] else None
-                g_head = (diff.T @ hs.float()).to(head.dtype) if ctx.needs_input_grad[2] else None
-                ctx.save_for_backward(g_hs, g_head)
+            lt = ht.float() @ head.float().T
+            ls = hs.float() @ head.float().T
+            if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[2]):
+                t = F.log_softmax(lt, dim=-1)
+                return (t.exp() * (t - F.log_softmax(ls, dim=-1))).sum()
+            kl, diff = kl_and_diff(lt, ls)  # diff: (chunk, V) p_s - p_t
+            del lt, ls
+            g_hs = (diff.to(head_g.dtype) @ head_g).to(hs.dtype) if ctx.needs_input_grad[0] else None
+            g_head = (diff.T @ hs.float()).to(head.dtype) if ctx.needs_input_grad[2] else None
+            ctx.save_for_backward(g_hs, g_head)
         return kl
 
     @staticmethod

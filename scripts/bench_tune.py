@@ -2,7 +2,8 @@
 
     .venv/bin/python scripts/bench_tune.py models/smollm2-135m --threads 1 --repeats 3
 
-Measured side by side in one process, interleaved (the machine is noisy; ratios are what transfer): a dense
+Measured side by side in one process, round-robin over the rows (the machine is noisy; ratios are what transfer;
+medians of --repeats rounds after an untimed one): a dense
 forward + backward with the usual next-token cross-entropy (what pretraining or a LoRA step costs), one tuning step
 of moeify.distill (teacher forward, student forward + backward, chunked KL, Adam) on a carved student (the layout of
 --experts/--top-k; the partition is random: the cost does not depend on it), the same step on sampled text whose
@@ -10,7 +11,11 @@ teacher targets the sampling kept (no teacher forward), the mix of the two at --
 teacher forward of a real window, computed once before tuning, so the loop runs only "targets kept" steps) and the
 loop plus the teacher pass at --generated (how `moeify tune` runs since the teacher pass), and sampling 1,024 tokens of tuning
 text from the dense model (moeify.distill.sample_text, batch 64, 112 new tokens after 16: shorter contexts than
-the 512 of real tuning windows, so a lower bound). Wall and CPU seconds for each.
+the 512 of real tuning windows, so a lower bound). Wall and CPU seconds for each. The teacher's modules are frozen
+as moeify freezes them, so the student's steps compute no weight gradients for the head, embeddings or attention
+it shares with the teacher (before session 29 this bench left them trainable and overstated the step by ~18%).
+"targets kept, KL unfused": the same step with the KL's softmax part eager instead of compiled (kl_and_diff).
+--quick: the rows of how `moeify tune` runs (dense, the loop's step fused and unfused, the teacher pass).
 """
 
 from __future__ import annotations
@@ -27,20 +32,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from moeify import distill  # noqa: E402
 from moeify.distill import (DistillSettings, MaskedMoE, _autocast, accumulate_kl, final_hidden, sample_text,  # noqa: E402
                             share_frozen)
-
-
-def timed(fn, repeats: int) -> tuple[float, float]:
-    """Median wall and CPU seconds of fn() over repeats (after one untimed call)."""
-    fn()
-    walls, cpus = [], []
-    for _ in range(repeats):
-        w, c = time.perf_counter(), time.process_time()
-        fn()
-        walls.append(time.perf_counter() - w)
-        cpus.append(time.process_time() - c)
-    return sorted(walls)[len(walls) // 2], sorted(cpus)[len(cpus) // 2]
 
 
 def main() -> None:
@@ -55,13 +49,17 @@ def main() -> None:
                     help="windows per forward + backward of a tuning step (moeify's default: %(default)s)")
     ap.add_argument("--generated", type=float, default=0.5, help="share of sampled tuning text, whose teacher "
                     "targets are kept from sampling (the presets': %(default)s)")
+    ap.add_argument("--quick", action="store_true", help="only the dense steps, the kept-targets step (the KL fused "
+                    "and unfused) and the teacher pass: how moeify tune runs, without the older rows")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
     teacher = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-    dense = copy.deepcopy(teacher)
+    dense = copy.deepcopy(teacher)  # trains every weight, as a dense training step does
+    for p in teacher.parameters():  # frozen, as moeify.tune.load_teacher leaves it: the modules the student shares
+        p.requires_grad_(False)     # with it (head, embeddings, attention) get no weight gradients in moeify either
     student = copy.deepcopy(teacher)
     gen = torch.Generator().manual_seed(0)
     d_ff = teacher.config.intermediate_size
@@ -107,6 +105,15 @@ def main() -> None:
 
     prompts = torch.randint(0, teacher.config.vocab_size, (64, 16), generator=gen)
 
+    def tune_step_kept_unfused():  # the same, the KL's softmax part eager (as before session 29)
+        saved = dict(distill._FUSED)
+        distill._FUSED["fn"] = None
+        try:
+            tune_step_kept()
+        finally:
+            distill._FUSED.clear()
+            distill._FUSED.update(saved)
+
     def sample():
         sample_text(dense, prompts, 112, 0)  # 64 x 112 = 7 x 1,024 new tokens (convert samples before tuning)
 
@@ -118,19 +125,33 @@ def main() -> None:
     rows = {}
     dense_rows = (("dense forward + backward (CE)", dense_step),) + (
         (("dense fwd + bwd (CE), bf16 autocast", dense_step_autocast),) if bf16 else ())
-    for name, fn in dense_rows + (("tuning step (KL distillation)", tune_step),
-                     ("tuning step, targets kept", tune_step_kept), ("teacher pass (forward)", teacher_forward),
-                     ("sampling tuning text", sample)):
-        w, c = timed(fn, args.repeats)
+    kept_rows = (("tuning step, targets kept", tune_step_kept),
+                 ("tuning step, targets kept, KL unfused", tune_step_kept_unfused))
+    teacher_row = (("teacher pass (forward)", teacher_forward),)
+    runs = dense_rows + kept_rows + teacher_row if args.quick else dense_rows + (
+        ("tuning step (KL distillation)", tune_step),) + kept_rows + teacher_row + (
+        ("sampling tuning text", sample),)
+    walls, cpus = {name: [] for name, _ in runs}, {name: [] for name, _ in runs}
+    for r in range(args.repeats + 1):  # round-robin (round 0 untimed): a slow minute of the machine hits every row
+        for name, fn in runs:
+            w, c = time.perf_counter(), time.process_time()
+            fn()
+            if r:
+                walls[name].append(time.perf_counter() - w)
+                cpus[name].append(time.process_time() - c)
+    for name, fn in runs:
+        w, c = (sorted(x[name])[len(x[name]) // 2] for x in (walls, cpus))
         rows[name] = (w / 7, c / 7) if fn is sample else (w, c)
     g = args.generated
-    rows[f"tuning step, {g:.0%} sampled text"] = tuple(
-        (1 - g) * a + g * b for a, b in zip(rows["tuning step (KL distillation)"], rows["tuning step, targets kept"]))
+    if not args.quick:
+        rows[f"tuning step, {g:.0%} sampled text"] = tuple(
+            (1 - g) * a + g * b for a, b in zip(rows["tuning step (KL distillation)"], rows["tuning step, targets kept"]))
     # since session 23 the loop never runs the teacher: every step is a "targets kept" step, and the real windows a
     # run draws cost one teacher forward each, once (the teacher pass; at most once per token when a run makes one
     # pass or fewer over its real text, as the presets do)
-    rows[f"tuning + teacher pass, {g:.0%} sampled"] = tuple(
-        a + (1 - g) * b for a, b in zip(rows["tuning step, targets kept"], rows["teacher pass (forward)"]))
+    for kept_name, suffix in ((kept_rows[0][0], ""), (kept_rows[1][0], ", KL unfused")):
+        rows[f"tuning + teacher pass, {g:.0%} sampled{suffix}"] = tuple(
+            a + (1 - g) * b for a, b in zip(rows[kept_name], rows["teacher pass (forward)"]))
     base = rows["dense fwd + bwd (CE), bf16 autocast" if bf16 else "dense forward + backward (CE)"][0]  # like for like
     print(f"{args.model.name}, {args.experts} experts top-{args.top_k}, {args.threads} thread(s), micro-batches of {args.micro_windows} window(s), bf16 autocast "
           f"{'on' if bf16 else 'off'}; per 1,024 tokens (median of {args.repeats})")
@@ -143,8 +164,9 @@ def main() -> None:
     print(f"peak RSS of this process (teacher, dense copy, student's FFNs, Adam state): {peak:.2f} GB")
     if args.json:
         args.json.write_text(json.dumps({"threads": args.threads, "experts": args.experts, "top_k": args.top_k,
-                                         "bf16": bf16, "rows": {k: {"wall": w, "cpu": c} for k, (w, c) in
-                                                                rows.items()}}, indent=1) + "\n")
+                                         "bf16": bf16, "repeats": args.repeats, "quick": args.quick,
+                                         "rows": {k: {"wall": w, "cpu": c} for k, (w, c) in rows.items()},
+                                         "rounds_wall": walls}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

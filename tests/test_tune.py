@@ -269,6 +269,46 @@ def test_chunked_kl_gradient_computed_in_forward_equals_autograds():
         assert chunked_kl(hs0, ht, head0, chunk=5).item() == pytest.approx(reference.item(), rel=1e-6)
 
 
+def test_fused_kl_equals_eager_and_falls_back(monkeypatch):
+    """The KL's softmax part compiled (torch.compile, the path of large logits) gives the eager loss and gradients to
+    float32 rounding; where compiling fails (at torch.compile or at the first call) it warns once and computes the
+    same result eagerly."""
+    from moeify import distill
+    from moeify.distill import chunked_kl
+
+    gen = torch.Generator().manual_seed(1)
+    head0, ht, hs0 = (torch.randn(*s, generator=gen) for s in ((300, 16), (28, 16), (28, 16)))
+
+    def run():
+        hs = hs0.clone().requires_grad_(True)
+        loss = chunked_kl(hs, ht, head0, chunk=7)
+        loss.backward()
+        return loss.detach(), hs.grad
+
+    monkeypatch.setattr(distill, "_FUSED", {})
+    monkeypatch.setenv("MOEIFY_COMPILE", "0")
+    eager_loss, eager_grad = run()
+    assert distill._FUSED == {}  # small logits: not even tried
+    monkeypatch.setattr(distill, "FUSE_MIN_ELEMENTS", 0)
+    eager_loss2, eager_grad2 = run()
+    assert distill._FUSED == {"fn": None} and torch.equal(eager_grad2, eager_grad)
+    monkeypatch.setenv("MOEIFY_COMPILE", "1")
+    monkeypatch.setattr(distill, "_FUSED", {})
+    fused_loss, fused_grad = run()
+    assert distill._FUSED["fn"] is not None
+    assert fused_loss.item() == pytest.approx(eager_loss.item(), rel=1e-5)
+    assert torch.allclose(fused_grad, eager_grad, rtol=1e-4, atol=1e-6)
+
+    def broken(*a, **k):
+        raise RuntimeError("no C++ compiler found")
+    for at_call in (False, True):
+        monkeypatch.setattr(distill, "_FUSED", {"fn": broken} if at_call else {})
+        monkeypatch.setattr(torch, "compile", broken)
+        with pytest.warns(UserWarning, match="could not be compiled .*no C.. compiler.*computing it eagerly"):
+            loss, grad = run()
+        assert distill._FUSED["fn"] is None and torch.equal(grad, eager_grad) and loss.item() == eager_loss.item()
+
+
 def _tiny_teacher_student(seed=0):
     import copy
 
