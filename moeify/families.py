@@ -85,6 +85,13 @@ def read_config(path: Path) -> dict:
     return raw
 
 
+def attention_shape(cfg) -> tuple[int, int, int]:
+    """(query heads, key/value heads, head_dim) of a transformers Llama/Mistral config: no num_key_value_heads means
+    one per query head, no head_dim means hidden / heads."""
+    heads = cfg.num_attention_heads
+    return heads, cfg.num_key_value_heads or heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+
+
 def load_source(path: str | Path) -> SourceModel:
     path = Path(path)
     raw = read_config(path)
@@ -113,9 +120,7 @@ def load_source(path: str | Path) -> SourceModel:
         value = getattr(cfg, key, None)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise MoeifyError(f"{path}/config.json: {key} must be a positive integer, got {value!r}")
-    heads = cfg.num_attention_heads
-    kv = cfg.num_key_value_heads or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    heads, kv, head_dim = attention_shape(cfg)
     dtype_name = raw.get("torch_dtype") or raw.get("dtype")
     sliding = raw.get("sliding_window") if model_type == "mistral" else None
     return SourceModel(

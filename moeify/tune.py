@@ -70,6 +70,7 @@ def sample_batch_for(teacher, seq: int, n_windows: int, par=None) -> int:
     step); on a GPU as many as GPU_SAMPLE_SHARE of its free memory holds (moeify.memory's bytes a window), between
     SAMPLE_BATCH (what the memory check before the run counted) and GPU_SAMPLE_BATCH, and no more than the run
     samples; across processes the smallest rank's (each samples whole batches of the same size)."""
+    from .families import attention_shape
     from .memory import sampling_bytes_per_window
     from .parallel import Parallel
 
@@ -77,10 +78,9 @@ def sample_batch_for(teacher, seq: int, n_windows: int, par=None) -> int:
     if dev.type != "cuda":
         return SAMPLE_BATCH
     c = teacher.config
-    per_window = sampling_bytes_per_window(
-        seq=seq, n_layers=c.num_hidden_layers, kv_heads=c.num_key_value_heads or c.num_attention_heads,
-        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads, hidden=c.hidden_size,
-        vocab=c.vocab_size)
+    _, kv_heads, head_dim = attention_shape(c)
+    per_window = sampling_bytes_per_window(seq=seq, n_layers=c.num_hidden_layers, kv_heads=kv_heads,
+                                           head_dim=head_dim, hidden=c.hidden_size, vocab=c.vocab_size)
     return -(par or Parallel()).most(-gpu_sample_batch(torch.cuda.mem_get_info(dev)[0], per_window, n_windows))
 
 

@@ -511,6 +511,20 @@ def test_gpu_sample_batch_fills_half_the_free_memory_between_64_and_1024_windows
     assert gpu_sample_batch(140 * 2**30, w, 10_000) == 1024
 
 
+def test_attention_shape_defaults_and_explicit_values():
+    """One reading of a config's attention shape for the source check and the sampling batch: kv heads default to
+    the query heads, head_dim to hidden / heads; explicit values win (SmolLM2: 9 heads, 3 kv heads, 64)."""
+    from transformers import LlamaConfig
+
+    from moeify.families import attention_shape
+
+    assert attention_shape(LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3)) == (9, 3, 64)
+    bare = LlamaConfig(hidden_size=64, num_attention_heads=4)
+    bare.num_key_value_heads, bare.head_dim = None, None
+    assert attention_shape(bare) == (4, 4, 16)
+    assert attention_shape(LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=32)) == (4, 4, 32)
+
+
 def test_sampling_resumes_at_the_batch_size_it_started_with(carved, tmp_path, monkeypatch):
     """The batch size is kept in the sampling folder: a run resumed on another machine (or with less GPU memory
     free) samples its remaining batches at the size, and so under the seeds, of its first ones."""
