@@ -66,6 +66,9 @@ class DistillSettings:
     evals: int = 6  # held-out checks over the run; the best checked weights are kept
     autocast: str = "auto"  # auto | bf16 | off
     kl_chunk: int = 256  # tokens per KL chunk (bounds the logits held at once)
+    kl_logits: str = "float32"  # float32 | autocast: the training KL's two logit products in float32, or in the
+    # autocast dtype (bf16: the logits rounded to it, as a bf16 dense step's cross-entropy reads them; about 1.1 s
+    # of a 7.9 s step per 1,024 tokens on a CPU, BENCHMARKS "Session 29"); the held-out checks stay float32
     seed: int = 0
 
 
@@ -227,10 +230,14 @@ class _ChunkKL(torch.autograd.Function):
     bf16 autocast, like the rest of the backward pass; head itself otherwise)."""
 
     @staticmethod
-    def forward(ctx, hs, ht, head, head_g):
+    def forward(ctx, hs, ht, head, head_g, lowp_logits=False):
         with torch.no_grad():
-            lt = ht.float() @ head.float().T
-            ls = hs.float() @ head.float().T
+            if lowp_logits:  # both products in head_g's dtype (bf16 under autocast), logits rounded to it
+                lt = (ht.to(head_g.dtype) @ head_g.T).float()
+                ls = (hs.to(head_g.dtype) @ head_g.T).float()
+            else:
+                lt = ht.float() @ head.float().T
+                ls = hs.float() @ head.float().T
             if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[2]):
                 t = F.log_softmax(lt, dim=-1)
                 return (t.exp() * (t - F.log_softmax(ls, dim=-1))).sum()
@@ -244,21 +251,27 @@ class _ChunkKL(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         g_hs, g_head = ctx.saved_tensors
-        return (None if g_hs is None else grad * g_hs), None, (None if g_head is None else grad * g_head), None
+        return (None if g_hs is None else grad * g_hs), None, (None if g_head is None else grad * g_head), None, None
 
 
-def chunked_kl(hs: torch.Tensor, ht: torch.Tensor, head: torch.Tensor, chunk: int) -> torch.Tensor:
+def chunked_kl(hs: torch.Tensor, ht: torch.Tensor, head: torch.Tensor, chunk: int,
+               logits: str = "float32") -> torch.Tensor:
     """Mean over tokens of KL(teacher || student) from the final hidden states (n, d) and the output head (V, d),
     `chunk` tokens at a time, so at most one chunk of log-probabilities is held (in the forward pass only: each
-    chunk's gradient is computed there, see _ChunkKL)."""
+    chunk's gradient is computed there, see _ChunkKL). logits "autocast": when the student's states carry a gradient
+    under autocast, the two logit products run in the autocast dtype (DistillSettings.kl_logits); otherwise, and
+    for "float32", in float32."""
+    if logits not in ("float32", "autocast"):
+        raise ValueError(f"kl_logits {logits!r}: use 'float32' or 'autocast'")
     hs, ht = hs.reshape(-1, hs.shape[-1]), ht.reshape(-1, ht.shape[-1]).detach()
     dev = hs.device.type
     grad_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else torch.float32
     head_g = head.detach().to(grad_dtype) if hs.requires_grad else head  # cast once, not per chunk
+    lowp = logits == "autocast" and hs.requires_grad and head_g.dtype != torch.float32
     with torch.autocast(dev, enabled=False):
         total = hs.new_zeros((), dtype=torch.float32)
         for s in range(0, hs.shape[0], chunk):
-            total = total + _ChunkKL.apply(hs[s:s + chunk], ht[s:s + chunk], head, head_g)
+            total = total + _ChunkKL.apply(hs[s:s + chunk], ht[s:s + chunk], head, head_g, lowp)
     return total / hs.shape[0]
 
 
@@ -320,7 +333,7 @@ def accumulate_kl(teacher, student, batch: torch.Tensor, head: torch.Tensor, ctx
             else:
                 with torch.no_grad():
                     target = final_hidden(teacher, micro)
-            loss = chunked_kl(final_hidden(student, micro), target, head, settings.kl_chunk) * (
+            loss = chunked_kl(final_hidden(student, micro), target, head, settings.kl_chunk, settings.kl_logits) * (
                 micro.shape[0] / batch.shape[0])
         loss.backward()
         step_kl = loss.detach() if step_kl is None else step_kl + loss.detach()

@@ -204,7 +204,7 @@ def install_sweep(sweep: list[dict], evals: dict, seq_len: int, results: list) -
 
     original = distill_mod.distill
 
-    def swept(teacher, student, train, held_out, settings, progress=None, state=None, resume=None):
+    def swept(teacher, student, train, held_out, settings, progress=None, state=None, resume=None, **kw):
         # what tuning may train: every decoder layer's tensors (experts, routers, and attention and norms under
         # --tune-attention), restored before each run
         start = {k: v.detach().clone() for k, v in student.state_dict().items() if ".layers." in k}
@@ -212,7 +212,8 @@ def install_sweep(sweep: list[dict], evals: dict, seq_len: int, results: list) -
         for over in sweep:
             student.load_state_dict(start, strict=False)
             run = dataclasses.replace(settings, **over)
-            info = original(teacher, student, train, held_out, run, progress)  # no saved state: runs from scratch
+            # no saved state (each run from scratch); the kept teacher targets and held-out states (kw) as given
+            info = original(teacher, student, train, held_out, run, progress, **kw)
             ppl = {n: perplexity(student, ids, seq_len) for n, ids in evals.items()}
             results.append({"settings": over, "ppl": ppl, "tuning": info})
             print(f"  sweep {over}: " + ", ".join(f"{n} {p:.3f}" for n, p in ppl.items())

@@ -269,6 +269,34 @@ def test_chunked_kl_gradient_computed_in_forward_equals_autograds():
         assert chunked_kl(hs0, ht, head0, chunk=5).item() == pytest.approx(reference.item(), rel=1e-6)
 
 
+def test_kl_logits_in_the_autocast_dtype_only_for_the_training_kl_under_autocast():
+    """kl_logits "autocast": under bf16 autocast the training KL's logit products run in bf16 (the loss moves by
+    bf16 rounding, the gradient stays close); without autocast, and for the held-out check (no gradient), the KL is
+    the float32 one exactly; an unknown value is refused by name."""
+    from moeify.distill import chunked_kl
+
+    gen = torch.Generator().manual_seed(2)
+    head, ht, hs0 = (torch.randn(*s, generator=gen) for s in ((200, 16), (12, 16), (12, 16)))
+    ht = hs0 + 0.5 * ht
+
+    def run(logits, autocast, grad=True):
+        hs = hs0.clone().requires_grad_(grad)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), torch.set_grad_enabled(grad):
+            loss = chunked_kl(hs, ht, head, chunk=4, logits=logits)
+        if grad:
+            loss.backward()
+        return loss.item(), hs.grad
+
+    f32, g32 = run("float32", True)
+    low, glow = run("autocast", True)
+    assert low != f32 and low == pytest.approx(f32, rel=0.05)
+    assert torch.allclose(glow, g32, rtol=0.1, atol=0.05 * g32.abs().max().item())
+    assert run("autocast", False)[0] == run("float32", False)[0]
+    assert run("autocast", True, grad=False)[0] == run("float32", True, grad=False)[0]
+    with pytest.raises(ValueError, match="kl_logits 'bf16'"):
+        chunked_kl(hs0, ht, head, chunk=4, logits="bf16")
+
+
 def test_fused_kl_equals_eager_and_falls_back(monkeypatch):
     """The KL's softmax part compiled (torch.compile, the path of large logits) gives the eager loss and gradients to
     float32 rounding; where compiling fails (at torch.compile or at the first call) it warns once and computes the
