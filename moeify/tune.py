@@ -1109,7 +1109,7 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
     if dev.startswith("cuda"):  # the host side of a GPU run: measured peak RSS beside the predicted host memory
         info["host_peak_bytes"], info["predicted_host_bytes"] = _peak_memory("cpu")[0], predicted.host_total
     info = {"scope": "model", "lr": opts.lr, "schedule": opts.schedule, "schedule_from": round(schedule_from, 6),
-            "seed": seed, "text": text, "resumed": saved is not None,
+            "seed": seed, "text": text, "resumed": bool(resume),  # from a saved state, in sampling or in tuning
             "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), **info}
     del teacher
     release_memory()

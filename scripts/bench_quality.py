@@ -238,7 +238,7 @@ def run_row(model_dir: Path, row: str, config: str, calib: Path, calib_tokens: i
     needs_calib = bool(preset) or (settings.get("method") in ("activation", "coactivation")
                                    or settings.get("router") == "fitted" or settings.get("compensate")
                                    or settings.get("fit_epochs") or settings.get("tune_tokens"))
-    cfg = build_config(preset, **shape, **settings, calib=[str(calib)] if needs_calib else None,
+    cfg = build_config(preset, source=model_dir, **shape, **settings, calib=[str(calib)] if needs_calib else None,
                        calib_tokens=(calib_tokens or None) if needs_calib else None)
     out = work / re.sub(r"[^A-Za-z0-9.+-]", "_", f"{config}-{row}")
     curve = []

@@ -167,8 +167,10 @@ def test_interrupted_sampling_resumes_at_its_next_batch(carved, tmp_path, monkey
     assert sorted(f.name for f in (state_dir(b) / "sampled").iterdir()) == ["batch-00000.safetensors",
                                                                            "batch-00001.safetensors", "batch.json"]
     seen = []
-    tune_output(dense, b, None, resume=True, progress=lambda stage, done, total, note="": seen.append((stage, done)))
+    report = tune_output(dense, b, None, resume=True,
+                         progress=lambda stage, done, total, note="": seen.append((stage, done)))
     assert seen[0] == ("sampling tuning text", 8 * 64)  # batch 0 read back, not sampled again
+    assert report["tuning"]["runs"][0]["resumed"]  # resumed while sampling: no training step was saved, still resumed
     _assert_identical(a, b)
 
 
