@@ -26,7 +26,8 @@ Why these choices (BENCHMARKS.md, "Recovery tuning", has the measurements):
   FFNs are stored in bf16 when autocast would cast them anyway, a step's windows go through forward + backward one
   at a time (gradients accumulate), and the best checked weights wait on disk, not in memory.
 - bf16 autocast for both models where the hardware has fast bf16 (AVX512-BF16 / AMX CPUs, any recent GPU); the
-  router logits, the softmax and the KL stay in float32.
+  router logits stay float32, and so do the KL's softmax and sum over bf16 logit products (kl_logits; float32
+  products on request, and always for the held-out checks).
 """
 
 from __future__ import annotations
@@ -66,9 +67,10 @@ class DistillSettings:
     evals: int = 6  # held-out checks over the run; the best checked weights are kept
     autocast: str = "auto"  # auto | bf16 | off
     kl_chunk: int = 256  # tokens per KL chunk (bounds the logits held at once)
-    kl_logits: str = "float32"  # float32 | autocast: the training KL's two logit products in float32, or in the
-    # autocast dtype (bf16: the logits rounded to it, as a bf16 dense step's cross-entropy reads them; about 1.1 s
-    # of a 7.9 s step per 1,024 tokens on a CPU, BENCHMARKS "Session 29"); the held-out checks stay float32
+    kl_logits: str = "autocast"  # autocast | float32: the training KL's two logit products in the autocast dtype
+    # where autocast is on (bf16: the logits rounded to it, as a bf16 dense step's cross-entropy reads them), or
+    # always in float32. bf16 measured alike at equal tokens (SmolLM2, 50% preset, 65,536 tokens: within 0.16% on
+    # three texts) and 11-13% faster a step (BENCHMARKS "Session 29"); the held-out checks stay float32
     seed: int = 0
 
 
@@ -225,8 +227,9 @@ class _ChunkKL(torch.autograd.Function):
     computed in the forward pass: d KL / d student logits = softmax(student) - softmax(teacher), so d KL / d hs =
     (p_s - p_t) @ head. Only that (chunk, d) gradient is kept for backward, not the chunk's (chunk, V) logits: memory
     stays bounded at any vocabulary, and a step costs three head products per chunk (teacher, student, gradient)
-    instead of the four or five of autograd with kept or recomputed logits. The logits, softmax and KL are float32
-    (the softmax and KL fused, kl_and_diff); the gradient product runs in head_g's dtype (head cast to bf16 under
+    instead of the four or five of autograd with kept or recomputed logits. The logits are products in float32, or
+    with lowp_logits in head_g's dtype (then rounded to it), the softmax and KL float32 (fused, kl_and_diff); the
+    gradient product runs in head_g's dtype (head cast to bf16 under
     bf16 autocast, like the rest of the backward pass; head itself otherwise)."""
 
     @staticmethod

@@ -15,7 +15,8 @@ the 512 of real tuning windows, so a lower bound). Wall and CPU seconds for each
 as moeify freezes them, so the student's steps compute no weight gradients for the head, embeddings or attention
 it shares with the teacher (before session 29 this bench left them trainable and overstated the step by ~18%).
 "targets kept, KL unfused": the same step with the KL's softmax part eager instead of compiled (kl_and_diff);
-"bf16 logits" (under bf16 autocast): the KL's two logit products in bf16 (DistillSettings.kl_logits "autocast").
+"float32 logits" (under bf16 autocast): the KL's two logit products in float32 (DistillSettings.kl_logits
+"float32"; the default since session 29 runs them in bf16 where autocast is on).
 --quick: the rows of how `moeify tune` runs (dense, the loop's step fused and unfused, the teacher pass).
 """
 
@@ -126,16 +127,16 @@ def main() -> None:
     rows = {}
     dense_rows = (("dense forward + backward (CE)", dense_step),) + (
         (("dense fwd + bwd (CE), bf16 autocast", dense_step_autocast),) if bf16 else ())
-    lowp_settings = DistillSettings(tokens=0, micro_windows=args.micro_windows, kl_logits="autocast")
+    f32_settings = DistillSettings(tokens=0, micro_windows=args.micro_windows, kl_logits="float32")
 
-    def tune_step_kept_lowp():  # kl_logits "autocast": the KL's logit products in bf16
+    def tune_step_kept_f32():  # kl_logits "float32": the KL's logit products in float32 (before session 29)
         opt.zero_grad(set_to_none=True)
-        accumulate_kl(teacher, student, ids, student.lm_head.weight, ctx, lowp_settings, kept)
+        accumulate_kl(teacher, student, ids, student.lm_head.weight, ctx, f32_settings, kept)
         opt.step()
 
     kept_rows = (("tuning step, targets kept", tune_step_kept),
                  ("tuning step, targets kept, KL unfused", tune_step_kept_unfused)) + (
-        (("tuning step, targets kept, bf16 logits", tune_step_kept_lowp),) if bf16 else ())
+        (("tuning step, targets kept, float32 logits", tune_step_kept_f32),) if bf16 else ())
     teacher_row = (("teacher pass (forward)", teacher_forward),)
     runs = dense_rows + kept_rows + teacher_row if args.quick else dense_rows + (
         ("tuning step (KL distillation)", tune_step),) + kept_rows + teacher_row + (
@@ -158,7 +159,7 @@ def main() -> None:
     # since session 23 the loop never runs the teacher: every step is a "targets kept" step, and the real windows a
     # run draws cost one teacher forward each, once (the teacher pass; at most once per token when a run makes one
     # pass or fewer over its real text, as the presets do)
-    for kept_name, suffix in zip((k for k, _ in kept_rows), ("", ", KL unfused", ", bf16 logits")):
+    for kept_name, suffix in zip((k for k, _ in kept_rows), ("", ", KL unfused", ", float32 logits")):
         rows[f"tuning + teacher pass, {g:.0%} sampled{suffix}"] = tuple(
             a + (1 - g) * b for a, b in zip(rows[kept_name], rows["teacher pass (forward)"]))
     base = rows["dense fwd + bwd (CE), bf16 autocast" if bf16 else "dense forward + backward (CE)"][0]  # like for like
