@@ -178,7 +178,7 @@ def _kl_and_diff_eager(lt: torch.Tensor, ls: torch.Tensor) -> tuple[torch.Tensor
 
 def _kl_and_diff_fused(lt: torch.Tensor, ls: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The same computation written for torch.compile, which fuses its dozen passes over the (n, V) logits into a
-    few (the elementwise part of the KL: a third of its cost before, measured in BENCHMARKS "The KL fused")."""
+    few (the elementwise part of the KL: a third of its cost before; BENCHMARKS "Session 29: the step as moeify runs it")."""
     t = F.log_softmax(lt, dim=-1)
     s = F.log_softmax(ls, dim=-1)
     pt = t.exp()
@@ -567,6 +567,7 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
             "passes": round(tokens / max(1, train.numel()), 3), "seconds": round(seconds, 1),
             "cpu_seconds": round(cpu_before + time.process_time() - cpu0 - hook_cpu, 1),
             "seconds_per_1k_tokens": round(1024 * seconds / tokens, 3), "bf16_autocast": bf16,
+            "kl_logits": "bf16" if bf16 and settings.kl_logits == "autocast" else "float32",  # the training KL's
             "router_trained": settings.train_router, "attention_trained": settings.train_attention}
 
 

@@ -120,6 +120,7 @@ def test_tuning_lowers_held_out_kl_and_the_output_computes_what_the_student_comp
     run = report["tuning"]["runs"][0]
     assert run["holdout_kl_after"] < 0.95 * run["holdout_kl_before"], run  # not only kept-best's "<="
     assert run["tokens"] == 12 * 1024 and run["steps"] == 12 and not run["resumed"]
+    assert run["kl_logits"] == ("bf16" if run["bf16_autocast"] else "float32")  # the default follows autocast
     assert not state_dir(out).exists()  # removed once the output is committed
     moe, info = load(out)
     assert not info["missing_keys"] and not info["unexpected_keys"]
@@ -451,7 +452,7 @@ def test_two_processes_under_bf16_autocast_compute_the_experts_by_fsdp2s_mixed_p
     dense, carve = carved
     ra, rb = _one_and_two_processes(dense, carve, tmp_path, ["--tokens", str(4 * 1024), "--tune-generated", "0.25",
                                                              "--lr", "0.02"], autocast="bf16")
-    assert ra["bf16_autocast"] and rb["bf16_autocast"]
+    assert ra["bf16_autocast"] and rb["bf16_autocast"] and ra["kl_logits"] == rb["kl_logits"] == "bf16"
     assert ra["text"]["generated"]["bf16_autocast"] and rb["text"]["generated"]["bf16_autocast"]  # sampled so too
     for (_, ka), (_, kb) in zip(ra["holdout_curve"], rb["holdout_curve"]):
         assert kb == pytest.approx(ka, rel=1e-4)
