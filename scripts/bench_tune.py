@@ -100,9 +100,9 @@ def main() -> None:
     with torch.no_grad(), ctx:  # the teacher's targets, as the sampling keeps them for the text it samples (float16)
         kept = [h for h in final_hidden(teacher, ids).to(torch.float16)]
 
-    def tune_step_kept():  # the same step on sampled windows: the teacher's forward is skipped
+    def tune_step_kept(step_settings=settings):  # the same step on sampled windows: the teacher's forward is skipped
         opt.zero_grad(set_to_none=True)
-        accumulate_kl(teacher, student, ids, student.lm_head.weight, ctx, settings, kept)
+        accumulate_kl(teacher, student, ids, student.lm_head.weight, ctx, step_settings, kept)
         opt.step()
 
     prompts = torch.randint(0, teacher.config.vocab_size, (64, 16), generator=gen)
@@ -130,9 +130,7 @@ def main() -> None:
     f32_settings = DistillSettings(tokens=0, micro_windows=args.micro_windows, kl_logits="float32")
 
     def tune_step_kept_f32():  # kl_logits "float32": the KL's logit products in float32 (before session 29)
-        opt.zero_grad(set_to_none=True)
-        accumulate_kl(teacher, student, ids, student.lm_head.weight, ctx, f32_settings, kept)
-        opt.step()
+        tune_step_kept(f32_settings)
 
     kept_rows = (("tuning step, targets kept", tune_step_kept),
                  ("tuning step, targets kept, KL unfused", tune_step_kept_unfused)) + (
