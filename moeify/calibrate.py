@@ -242,7 +242,8 @@ def _merge_stats(files: list[Path], out: Path, metadata: dict[str, str]) -> None
     """Stream the per-layer statistics files into one safetensors file, one tensor in memory at a time."""
     from safetensors import safe_open
 
-    from .checkpoint import ST_DTYPES, ShardLayout, ShardWriter, TensorInfo
+    from .checkpoint import ST_DTYPES, TensorInfo
+    from .writer import ShardLayout, ShardWriter
 
     infos = []
     for f in files:

@@ -471,7 +471,8 @@ def plan_cmd(
     Example: moeify plan path/to/Llama-3-8B/config.json --experts 8 --top-k 2
              moeify plan path/to/Llama-3-8B/config.json --preset configs/active-25.toml
     """
-    from .plan import plan_preset, read_source_config, plan_moe
+    from .families import read_source_config
+    from .plan import plan_moe, plan_preset
     from .report import print_moe_plan
 
     try:

@@ -233,7 +233,7 @@ def build_config(preset: str | Path | None = None, default_calib: bool = False, 
         if isinstance(source, int):
             d_ff = source
         else:
-            from .plan import read_source_config
+            from .families import read_source_config
 
             d_ff = read_source_config(source).d_ff
         values = resolve_into(values, d_ff)

@@ -15,21 +15,22 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from . import __version__
 from .budget import Budget, carve_budget, padded_width
-from .checkpoint import (DTYPE_NAMES, LOCK_NAME, SPILL_DIR, BackgroundWriter, CheckpointReader, ShardLayout, ShardWriter, TensorInfo,
-                         check_free_space, check_links, check_output_path, commit_output, prepare_output)
+from .checkpoint import DTYPE_NAMES, SPILL_DIR, CheckpointReader, TensorInfo, check_links
 from .config import ConvertConfig, config_to_dict, config_to_toml
 from .errors import MoeifyError
 from .numerics import release_memory
 from .carve import CarvedLayer, carve_weight_only
+from .experts import ffn_output_tensors
 from .router import SHARED_GATE_MIN, shared_gate_value
 from .families import (ATTENTION_TENSORS, TOKENIZER_FILES, SourceModel, attention_extras, check_source_tensors,
-                       ffn_tensor_names, load_source, routed_factor, target_config)
-from .partition import Partition, valid_expert_counts
+                       ffn_tensor_names, load_source, target_config)
+from .partition import valid_expert_counts
+from .writer import (LOCK_NAME, BackgroundWriter, ShardLayout, ShardWriter, check_free_space, check_output_path,
+                     commit_output, prepare_output)
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
@@ -69,13 +70,13 @@ class ConversionPlan:
 
     def tuning_memory(self):
         """(moeify.memory.TuneMemory, device, the device's memory or None) of this plan's recovery tuning."""
-        from .distill import _autocast
+        from .numerics import tuning_autocast
         from .memory import choose_offload, device_memory, source_tuning_memory
         from .numerics import resolve_device
 
         dev = resolve_device(self.cfg.device)
         seq = min(self.cfg.calib_seq_len, int(self.src.raw.get("max_position_embeddings") or self.cfg.calib_seq_len))
-        kw = dict(seq=seq, bf16=_autocast(dev, "auto")[1], train_attention=self.cfg.tune_attention)
+        kw = dict(seq=seq, bf16=tuning_autocast(dev, "auto")[1], train_attention=self.cfg.tune_attention)
         dense = len(self.cfg.dense_layers) or self.cfg.dense_auto
         have = device_memory(dev)
         plain, offloaded = (source_tuning_memory(self.src, self.cfg.experts, dense, device=dev, offload=o, **kw)
@@ -196,47 +197,6 @@ def _ffn_shape(name: str, src: SourceModel, cfg: ConvertConfig, width: int, dens
     else:
         w = cfg.shared * width if ".shared_expert." in name else padded_width(width, cfg.pad_experts_to)
     return (h, w) if name.endswith(("w2.weight", "down_proj.weight")) else (w, h)
-
-
-# ------------------------------------------------------------------------------------------ carving a layer
-
-
-def ffn_output_tensors(fmt: str, layer_idx: int, part: Partition, router: torch.Tensor, gate: torch.Tensor,
-                       up: torch.Tensor, down: torch.Tensor, cfg: ConvertConfig, dtype: torch.dtype,
-                       shared_gate: float) -> dict[str, torch.Tensor]:
-    """The target tensors of one carved FFN. router: (n_experts, d_model) already scaled for unit gates; down: dense
-    or refit (d_model, d_ff). Selected experts get weight ~1/k (Mixtral) or ~1/N (Qwen2-MoE, not renormalised), so
-    down_proj is multiplied by k or N (`routed_factor`); the Qwen2-MoE shared expert gets sigmoid(~0) ~ 1/2 from the
-    constant gate row `shared_gate` (router.shared_gate_value), so its down_proj is multiplied by 2."""
-    k = routed_factor(fmt, cfg.experts, cfg.top_k)
-    pad = padded_width(part.expert_width, cfg.pad_experts_to) - part.expert_width
-    names = iter(ffn_tensor_names(fmt, layer_idx, cfg.experts, dense=False, shared=cfg.shared > 0))
-    out = {next(names): router.to(dtype)}
-    for e in range(cfg.experts):
-        idx = part.expert_neurons(e)
-        out[next(names)] = _pad(gate[idx].to(dtype), (0, 0, 0, pad))
-        out[next(names)] = _pad(up[idx].to(dtype), (0, 0, 0, pad))
-        out[next(names)] = _pad(_scaled(down[:, idx], k, dtype), (0, pad))
-    if fmt == "qwen2_moe":
-        idx = part.shared_neurons
-        out[next(names)] = gate[idx].to(dtype)
-        out[next(names)] = up[idx].to(dtype)
-        out[next(names)] = _scaled(down[:, idx], 2, dtype)
-        out[next(names)] = torch.full((1, gate.shape[1]), float(shared_gate), dtype=dtype)
-    return out
-
-
-def _pad(t: torch.Tensor, pad: tuple[int, ...]) -> torch.Tensor:
-    return F.pad(t, pad) if any(pad) else t  # F.pad copies even when there is nothing to pad
-
-
-def _scaled(t: torch.Tensor, factor: int, dtype: torch.dtype) -> torch.Tensor:
-    """(t.float() * factor).to(dtype) of a freshly gathered t (scaled in place), without the float32 round trip
-    when t already has `dtype`: bf16/fp16 arithmetic computes in float32 and rounds once, so the bits are the
-    same (tests/test_scale.py checks)."""
-    if t.dtype == dtype and dtype in (torch.bfloat16, torch.float16, torch.float32):
-        return t.mul_(factor)
-    return (t.float() * factor).to(dtype)
 
 
 # ------------------------------------------------------------------------------------------------ running
@@ -404,22 +364,4 @@ def _verify_structure(out_dir: Path) -> None:
         raise RuntimeError("output check failed: " + "; ".join(problems))
 
 
-def unpermute_ffn(out_tensors: dict[str, torch.Tensor], part: Partition, fmt: str, layer_idx: int, cfg: ConvertConfig,
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rebuild the dense gate/up/down of one layer from its expert tensors (inverse of ffn_output_tensors)."""
-    names = ffn_tensor_names(fmt, layer_idx, cfg.experts, dense=False, shared=cfg.shared > 0)[1:]
-    chunks_g, chunks_u, chunks_d = [], [], []
-    groups = [(names[3 * e: 3 * e + 3], routed_factor(fmt, cfg.experts, cfg.top_k)) for e in range(cfg.experts)]
-    if fmt == "qwen2_moe":
-        groups.insert(0, (names[3 * cfg.experts: 3 * cfg.experts + 3], 2))
-    for n, ((g, u, d), factor) in enumerate(groups):
-        w = part.n_shared if (fmt == "qwen2_moe" and n == 0) else part.expert_width  # drop zero padding
-        chunks_g.append(out_tensors[g][:w])
-        chunks_u.append(out_tensors[u][:w])
-        chunks_d.append((out_tensors[d][:, :w].float() / factor).to(out_tensors[d].dtype))
-    inv = torch.argsort(part.perm)
-    return torch.cat(chunks_g)[inv], torch.cat(chunks_u)[inv], torch.cat(chunks_d, dim=1)[:, inv]
-
-
-__all__ = ["ConversionPlan", "plan_conversion", "run_conversion", "ffn_output_tensors", "unpermute_ffn",
-           "valid_expert_counts"]
+__all__ = ["ConversionPlan", "plan_conversion", "run_conversion", "valid_expert_counts"]

@@ -46,6 +46,7 @@ from safetensors.torch import load_file, save_file
 
 from .families import ATTENTION_TENSORS
 from .layerfit import masked_ffn
+from .numerics import tuning_autocast
 
 
 @dataclass(frozen=True)
@@ -143,26 +144,6 @@ class MaskedMoE(torch.nn.Module):
         # on h itself, not a flattened view of it: the output is then a tensor of its own, not a view (FSDP2 warns
         # that an in-place op on a wrapped module's view output would skip its all-gather)
         return masked_ffn(h, self.gate, self.up, self.down, mask.to(h.dtype).view(*h.shape[:-1], -1))
-
-
-def bf16_fast(device: str) -> bool:
-    """Whether bf16 matrix products are fast here: a CUDA device with bf16, or a CPU with AVX512-BF16 or AMX."""
-    if device.startswith("cuda"):
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
-
-
-def _autocast(device: str, mode: str):
-    """(the autocast context tuning runs under, whether it is on). mode auto: bf16 where the device computes it fast;
-    the environment variable MOEIFY_AUTOCAST (bf16 | off) overrides auto (tests of the bf16 path on any CPU)."""
-    if mode == "auto":
-        mode = os.environ.get("MOEIFY_AUTOCAST", "auto")
-    on = mode == "bf16" or (mode == "auto" and bf16_fast(device))
-    return torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=on), on
 
 
 def _kl_and_diff_eager(lt: torch.Tensor, ls: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -466,7 +447,7 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
             return (step + 1) / warm * 0.5 * (1 + math.cos(math.pi * start))
         return 0.5 * (1 + math.cos(math.pi * (start + (1 - start) * (step - warm) / max(1, total - warm))))
 
-    ctx, bf16 = _autocast(str(device), settings.autocast)
+    ctx, bf16 = tuning_autocast(str(device), settings.autocast)
     head = student.lm_head.weight
     if held_targets is not None and len(held_targets) == len(held_out):
         hold_t = [held_targets[s:s + per_step].to(device, torch.float32) for s in range(0, len(held_out), per_step)]
@@ -607,80 +588,3 @@ def attention_params(model) -> list[torch.nn.Parameter]:
     fixed), in layer order: the tensors `train_attention` tunes besides the experts."""
     return [model.get_submodule(f"model.layers.{i}.{name}").weight
             for i in range(len(model.model.layers)) for name in ATTENTION_TENSORS]
-
-
-# --------------------------------------------------------------------------------------- the tuning text
-
-
-def _step_clock(stamps: list):
-    """A generate() stopping criterion that never stops: it records (sequence length, time) after every step."""
-    from transformers import StoppingCriteria, StoppingCriteriaList
-
-    class StepClock(StoppingCriteria):
-        def __call__(self, input_ids: torch.Tensor, scores, **kw) -> torch.Tensor:
-            stamps.append((input_ids.shape[1], time.perf_counter()))
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-    return StoppingCriteriaList([StepClock()])
-
-
-def sampling_seconds_per_token(stamps: list, prompt: int, seq: int) -> float:
-    """Seconds a sampling step takes, averaged over the positions of windows of `seq` tokens continued from
-    `prompt`-token prompts, from the (length, time) stamps of a shorter sampling run (sample_text(step_times=)).
-    A step's cost grows with the length of the KV cache it attends to, so the step times (the first, which
-    includes the prompt's forward, left out) are fitted as a + b * length by least squares and taken at the mean
-    length of a whole window's steps: the first tokens of a window alone would understate the run."""
-    lengths = [n for n, _ in stamps[1:]]
-    durations = [t - t0 for (_, t0), (_, t) in zip(stamps, stamps[1:])]
-    if len(durations) < 2:
-        raise ValueError("need at least 3 sampling steps to fit their cost")
-    mx, my = sum(lengths) / len(lengths), sum(durations) / len(durations)
-    sxx = sum((x - mx) ** 2 for x in lengths)
-    slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(lengths, durations)) / sxx) if sxx else 0.0
-    mean_length = (prompt + 1 + seq) / 2  # the KV length grows from prompt + 1 to seq over a window's steps
-    return my + slope * (mean_length - mx)
-
-
-@torch.no_grad()
-def sample_text(model, prompts: torch.Tensor, new_tokens: int, seed: int, batch: int = 64,
-                progress=None, keep_hidden: bool = False, step_times: list | None = None, cache: str = "static",
-                bf16: bool = False):
-    """The dense model's own continuations (temperature 1, no truncation) of short prompts: (n, p + new_tokens)
-    token windows of what the model itself predicts, for label-free distillation (LLM-QAT's data-free KL).
-
-    keep_hidden: also return the model's final hidden states at every position of those windows, (n, p +
-    new_tokens, d) float16, taken from the sampling's own forward passes (one more token is generated so that the
-    window's last position has one): the teacher's targets for these windows, so tuning need not run the teacher
-    on them again. Batch b is sampled under seed + b. step_times: a list that gets (sequence length, time) after
-    every generation step (sampling_seconds_per_token fits them). cache: transformers' KV cache, "static" (one
-    buffer of the whole window, written in place: the same tokens, 22% less time on a 2-core CPU for SmolLM2's
-    512-token windows than "dynamic", which copies the growing cache at every step; BENCHMARKS.md). bf16: generate
-    under bf16 autocast (the hidden states kept are then those of a bf16 forward, as tuning's own teacher computes
-    under it; float16 storage either way)."""
-    device = next(model.parameters()).device
-    outs, hiddens, steps = [], [], []
-    hook = model.model.norm.register_forward_hook(lambda m, i, o: steps.append(o.detach())) if keep_hidden else None
-    try:
-        for s in range(0, prompts.shape[0], batch):
-            p = prompts[s:s + batch].to(device)
-            torch.manual_seed(seed + s // batch)  # each batch its own seed: its text does not depend on the others
-            n = new_tokens + (1 if keep_hidden else 0)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                out = model.generate(input_ids=p, attention_mask=torch.ones_like(p), do_sample=True, temperature=1.0,
-                                     top_k=0, top_p=1.0, max_new_tokens=n, min_new_tokens=n,
-                                     pad_token_id=0, eos_token_id=None,
-                                     # on CUDA a static cache makes generate compile the forward with CUDA graphs,
-                                     # whose outputs (the hidden states the hook keeps) the next step overwrites
-                                     **({"disable_compile": True} if keep_hidden else {}),
-                                     **({"cache_implementation": "static"} if cache == "static" else {}),
-                                     **({"stopping_criteria": _step_clock(step_times)} if step_times is not None else {}))
-            outs.append(out[:, : p.shape[1] + new_tokens].cpu())
-            if keep_hidden:
-                hiddens.append(torch.cat(steps, 1)[:, : p.shape[1] + new_tokens].to(torch.float16).cpu())
-                steps.clear()
-            if progress:
-                progress("sampling tuning text", min(s + batch, prompts.shape[0]), prompts.shape[0])
-    finally:
-        if hook is not None:
-            hook.remove()
-    return (torch.cat(outs), torch.cat(hiddens)) if keep_hidden else torch.cat(outs)

@@ -100,7 +100,7 @@ def check_same_tokenizer(ref, ref_path: Path, tok, path: Path, probe: str) -> No
     """Every model must read the same token ids: equal vocabularies and equal ids on a probe of the data."""
     a, b = ref.get_vocab(), tok.get_vocab()
     if a != b:
-        only_a, only_b = len(a.keys() - b.keys()), len(b.keys() - a.keys())
+        only_a = len(a.keys() - b.keys())
         detail = (f"vocab sizes {len(a)} vs {len(b)}" if len(a) != len(b)
                   else f"{only_a} tokens differ" if only_a else "same tokens with different ids")
         raise MoeifyError(f"{path} has a different tokenizer than {ref_path} ({detail})",

@@ -11,7 +11,10 @@ Facts checked against transformers 5.23 (see shared FORMATS.md):
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,6 +133,24 @@ def load_source(path: str | Path) -> SourceModel:
         rope_parameters=dict(cfg.rope_parameters or {"rope_type": "default", "rope_theta": 10000.0}),
         sliding_window=sliding,
     )
+
+
+def read_source_config(path: str | Path) -> SourceModel:
+    """A dense source from a checkpoint directory or from a config.json file (any file name); weights not needed."""
+    path = Path(path)
+    if path.is_dir() or not path.exists():
+        return load_source(path)
+    if path.name == "config.json":
+        return load_source(path.parent)
+    # A config saved under another name: parse it from a scratch directory, report errors against the real file.
+    with tempfile.TemporaryDirectory(prefix="moeify-plan-") as tmp:
+        shutil.copyfile(path, Path(tmp) / "config.json")
+        try:
+            src = load_source(tmp)
+        except MoeifyError as exc:
+            what = exc.what.replace(f"{tmp}/config.json", str(path)).replace(tmp, str(path))
+            raise MoeifyError(what, exc.hint) from None
+    return dataclasses.replace(src, path=path)
 
 
 def check_source_tensors(src: SourceModel, tensors: dict[str, TensorInfo]) -> None:

@@ -86,3 +86,23 @@ def chol_solve(g: torch.Tensor, rhs: torch.Tensor, reg: torch.Tensor) -> torch.T
     g.diagonal().add_(reg)
     chol, bad = torch.linalg.cholesky_ex(g)
     return torch.linalg.solve(g, rhs) if bad.item() else torch.cholesky_solve(rhs, chol)
+
+
+def bf16_fast(device: str) -> bool:
+    """Whether bf16 matrix products are fast here: a CUDA device with bf16, or a CPU with AVX512-BF16 or AMX."""
+    if device.startswith("cuda"):
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def tuning_autocast(device: str, mode: str):
+    """(the autocast context tuning runs under, whether it is on). mode auto: bf16 where the device computes it fast;
+    the environment variable MOEIFY_AUTOCAST (bf16 | off) overrides auto (tests of the bf16 path on any CPU)."""
+    if mode == "auto":
+        mode = os.environ.get("MOEIFY_AUTOCAST", "auto")
+    on = mode == "bf16" or (mode == "auto" and bf16_fast(device))
+    return torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=on), on

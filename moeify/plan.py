@@ -15,14 +15,12 @@ The numbers come from moeify.budget.carve_budget, the same function `convert --d
 from __future__ import annotations
 
 import dataclasses
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from .budget import Budget, carve_budget, padded_width
 from .errors import MoeifyError
-from .families import SourceModel, load_source
+from .families import SourceModel, read_source_config
 
 
 @dataclass(frozen=True)
@@ -88,24 +86,6 @@ class MoePlan:
         fmt = "qwen2_moe" if self.shared else "mixtral"
         return engine_notes(fmt, self.top_k, self.experts, self.shared * width, padded_width(width), False, 0,
                             s.head_dim, s.hidden, s.heads)
-
-
-def read_source_config(path: str | Path) -> SourceModel:
-    """A dense source from a checkpoint directory or from a config.json file (any file name); weights not needed."""
-    path = Path(path)
-    if path.is_dir() or not path.exists():
-        return load_source(path)
-    if path.name == "config.json":
-        return load_source(path.parent)
-    # A config saved under another name: parse it from a scratch directory, report errors against the real file.
-    with tempfile.TemporaryDirectory(prefix="moeify-plan-") as tmp:
-        shutil.copyfile(path, Path(tmp) / "config.json")
-        try:
-            src = load_source(tmp)
-        except MoeifyError as exc:
-            what = exc.what.replace(f"{tmp}/config.json", str(path)).replace(tmp, str(path))
-            raise MoeifyError(what, exc.hint) from None
-    return dataclasses.replace(src, path=path)
 
 
 def non_ffn_params(src: SourceModel) -> int:

@@ -10,7 +10,7 @@ of moeify.distill (teacher forward, student forward + backward, chunked KL, Adam
 teacher targets the sampling kept (no teacher forward), the mix of the two at --generated, the teacher pass (one
 teacher forward of a real window, computed once before tuning, so the loop runs only "targets kept" steps) and the
 loop plus the teacher pass at --generated (how `moeify tune` runs since the teacher pass), and sampling 1,024 tokens of tuning
-text from the dense model (moeify.distill.sample_text, batch 64, 112 new tokens after 16: shorter contexts than
+text from the dense model (moeify.sampling.sample_text, batch 64, 112 new tokens after 16: shorter contexts than
 the 512 of real tuning windows, so a lower bound). Wall and CPU seconds for each. The teacher's modules are frozen
 as moeify freezes them, so the student's steps compute no weight gradients for the head, embeddings or attention
 it shares with the teacher (before session 29 this bench left them trainable and overstated the step by ~18%).
@@ -35,8 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from moeify import distill  # noqa: E402
-from moeify.distill import (DistillSettings, MaskedMoE, _autocast, accumulate_kl, final_hidden, sample_text,  # noqa: E402
-                            share_frozen)
+from moeify.distill import DistillSettings, MaskedMoE, accumulate_kl, final_hidden, share_frozen  # noqa: E402
+from moeify.numerics import tuning_autocast  # noqa: E402
+from moeify.sampling import sample_text  # noqa: E402
 
 
 def main() -> None:
@@ -77,7 +78,7 @@ def main() -> None:
         p.requires_grad_(True)
     opt = torch.optim.Adam(params, lr=1e-6)
     ids = torch.randint(0, teacher.config.vocab_size, (1024 // args.seq_len, args.seq_len), generator=gen)
-    ctx, bf16 = _autocast("cpu", DistillSettings(tokens=0).autocast)
+    ctx, bf16 = tuning_autocast("cpu", DistillSettings(tokens=0).autocast)
     share_frozen(teacher, student, train_attention=False, lowp=torch.bfloat16 if bf16 else None)  # as convert does
 
     def dense_step():  # float32

@@ -31,7 +31,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moeify.checkpoint import DTYPE_NAMES, ShardLayout, ShardWriter, TensorInfo  # noqa: E402
+from moeify.checkpoint import DTYPE_NAMES, TensorInfo  # noqa: E402
+from moeify.writer import ShardLayout, ShardWriter
 from moeify.config import parse_size  # noqa: E402
 
 # name: (hidden, intermediate, layers, heads, kv_heads, vocab, tied, rope_theta, max_positions)

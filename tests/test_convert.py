@@ -12,7 +12,8 @@ from safetensors import safe_open
 from conftest import build_dense, load, max_logit_diff, read_json
 from moeify.checkpoint import CheckpointReader
 from moeify.config import build_config
-from moeify.convert import plan_conversion, run_conversion, unpermute_ffn
+from moeify.convert import plan_conversion, run_conversion
+from moeify.experts import unpermute_ffn
 from moeify.partition import Partition
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,

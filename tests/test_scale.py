@@ -15,11 +15,13 @@ from safetensors import safe_open
 from scipy.optimize import linear_sum_assignment
 
 from conftest import load
-from moeify.checkpoint import BackgroundWriter, CheckpointReader, ShardLayout, ShardWriter, TensorInfo, first_nonfinite
+from moeify.checkpoint import CheckpointReader, TensorInfo, first_nonfinite
+from moeify.writer import BackgroundWriter, ShardLayout, ShardWriter
 from moeify.compensate import refit_down, routing_mask
 from moeify.config import build_config
 from moeify.errors import MoeifyError
-from moeify.convert import _scaled, plan_conversion, run_conversion
+from moeify.convert import plan_conversion, run_conversion
+from moeify.experts import _scaled
 from moeify.partition import Partition, _balanced_assign_ssp, assignment_prices, balanced_assign, balanced_kmeans
 
 ROOT = Path(__file__).resolve().parents[1]

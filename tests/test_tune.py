@@ -164,7 +164,7 @@ def test_tune_flags_need_a_budget_and_a_share():
 def _masked_moe_from_output(tmp_path, calib_model, fmt, **kw):
     from conftest import load
     from moeify.checkpoint import CheckpointReader
-    from moeify.convert import unpermute_ffn
+    from moeify.experts import unpermute_ffn
     from moeify.distill import MaskedMoE
 
     n = 3 if kw.get("shared") else 4
@@ -464,7 +464,8 @@ def test_sampling_keeps_the_teachers_targets_and_tuning_skips_the_teacher_on_the
     """The final hidden states kept while sampling equal a full forward over the sampled windows (float16 storage,
     KV-cached computation), and a step whose windows have kept targets does not run the teacher, training the same
     weights as one that runs it."""
-    from moeify.distill import DistillSettings, distill, final_hidden, sample_text
+    from moeify.distill import DistillSettings, distill, final_hidden
+    from moeify.sampling import sample_text
 
     teacher, _ = _tiny_teacher_student()
     prompts = torch.randint(0, 97, (6, 4), generator=torch.Generator().manual_seed(3))
@@ -506,7 +507,7 @@ def test_sampling_cost_is_fitted_against_the_kv_length_and_taken_at_a_whole_wind
     """The dry run's sampling estimate: step times grow with the KV cache, so a short run's steps are fitted as
     a + b * length and read at the mean length of a whole window's steps (the first step, with the prompt's
     forward, left out); a clock on generate() records a step per new token and leaves the text as it was."""
-    from moeify.distill import sample_text, sampling_seconds_per_token
+    from moeify.sampling import sample_text, sampling_seconds_per_token
 
     # steps of 1 ms + 0.01 ms per token of context, lengths 17..112, after a prefill of 50 ms
     stamps, t = [(17, 0.05)], 0.05

@@ -151,9 +151,9 @@ def test_interrupted_run_resumes_to_the_uninterrupted_weights(carved, tmp_path):
 def test_interrupted_sampling_resumes_at_its_next_batch(carved, tmp_path, monkeypatch):
     """Ctrl-C while the dense model samples the tuning text: the batches done are kept, --resume samples the rest
     under the same seeds, and the run ends as an uninterrupted one."""
-    import moeify.tune as tune_mod
+    import moeify.tune.data as tune_data
 
-    monkeypatch.setattr(tune_mod, "SAMPLE_BATCH", 8)
+    monkeypatch.setattr(tune_data, "SAMPLE_BATCH", 8)
     dense, carve = carved
     a, b = _copy(carve, tmp_path / "a"), _copy(carve, tmp_path / "b")
     opts = TuneOptions(tokens=4 * 1024, generated=0.5, lr=0.02)  # 32 + 3 sampled windows of 64: 5 batches
@@ -464,7 +464,9 @@ def test_teacher_pass_and_sampling_run_in_step_with_the_busiest_rank(carved, tmp
     forwards as the busiest one: rank 1 computes only its own batches and pads every round with one-token (teacher
     pass) or one-window (sampling) forwards up to the other rank's count."""
     from moeify.distill import DistillSettings
-    from moeify.tune import SAMPLE_BATCH, TARGET_BATCH, _atomic_save, drawn_windows, sampled_windows, teacher_pass
+    from moeify.tune.data import SAMPLE_BATCH, drawn_windows, sampled_windows
+    from moeify.tune.state import _atomic_save
+    from moeify.tune.teacher import TARGET_BATCH, teacher_pass
 
     dense, _ = carved
     teacher = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
@@ -504,7 +506,7 @@ def test_gpu_sample_batch_fills_half_the_free_memory_between_64_and_1024_windows
     """On a GPU sampling is launch-bound, so the batch grows into half the free memory (at the memory model's
     bytes a window), never below the CPU's 64 (what the memory check counted) nor above 1,024 or the run's need."""
     from moeify.memory import sampling_bytes_per_window
-    from moeify.tune import gpu_sample_batch
+    from moeify.tune.data import gpu_sample_batch
 
     w = sampling_bytes_per_window(seq=512, n_layers=30, kv_heads=3, head_dim=64, hidden=576, vocab=49152)
     assert w == 512 * (30 * 2 * 3 * 64 * 4 + 576 * 4) + 49152 * 8  # SmolLM2-135M: 25.2 MB a window
@@ -531,9 +533,9 @@ def test_attention_shape_defaults_and_explicit_values():
 def test_sampling_resumes_at_the_batch_size_it_started_with(carved, tmp_path, monkeypatch):
     """The batch size is kept in the sampling folder: a run resumed on another machine (or with less GPU memory
     free) samples its remaining batches at the size, and so under the seeds, of its first ones."""
-    import moeify.tune as tune_mod
+    import moeify.tune.data as tune_data
     from moeify.parallel import Parallel
-    from moeify.tune import sampled_windows
+    from moeify.tune.data import sampled_windows
 
     dense, _ = carved
     teacher = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
@@ -549,7 +551,7 @@ def test_sampling_resumes_at_the_batch_size_it_started_with(carved, tmp_path, mo
     assert size2 == 64 and json.loads((fresh / "batch.json").read_text()) == {"sample_batch": 64}  # a CPU's
     assert torch.equal(windows2[:, :4], windows[:, :4]) and not torch.equal(windows2, windows)  # same prompts;
     # the batches' own seeds give other text
-    monkeypatch.setattr(tune_mod, "sample_batch_for", lambda *a: 5)  # as a GPU would choose
+    monkeypatch.setattr(tune_data, "sample_batch_for", lambda *a: 5)  # as a GPU would choose
     (fresh / "batch.json").unlink()  # a state from before batch.json: its batches were 64 windows, wherever it ran
     assert sampled_windows(teacher, real, 7, 0, fresh, None, Parallel())[1] == 64
     assert sampled_windows(teacher, real, 7, 0, tmp_path / "gpu", None, Parallel())[1] == 5  # a new run: chosen
@@ -562,7 +564,7 @@ def test_teacher_pass_frees_the_teachers_ffns_and_trains_what_the_teacher_in_the
     if called). The targets are the values the teacher in the loop computes (float32, the same batching), so the
     output is bit-identical to the run with the teacher inside the loop."""
     import moeify.distill as distill_mod
-    from moeify.tune import _FreedFFN
+    from moeify.tune.teacher import _FreedFFN
 
     dense, carve = carved
     opts = TuneOptions(tokens=8 * 1024, generated=0.25, lr=0.02)
@@ -644,11 +646,11 @@ def test_offload_is_chosen_when_the_gpu_is_too_small_otherwise(carved):
 
 def test_a_run_that_does_not_fit_is_refused_before_any_work(carved, tmp_path, monkeypatch):
     import moeify.memory as memory_mod
-    import moeify.tune as tune_mod
+    import moeify.tune.sizing as tune_sizing
 
     dense, carve = carved
     monkeypatch.setattr(memory_mod, "device_memory", lambda device: 50 * 10**6)  # a 50 MB device
-    monkeypatch.setattr(tune_mod, "device_memory", lambda device: 50 * 10**6)
+    monkeypatch.setattr(tune_sizing, "device_memory", lambda device: 50 * 10**6)
     cfg = build_config(**CARVE, tune_tokens=4096)
     with pytest.raises(MoeifyError, match=r"tuning needs about 0\.\d GB on cpu .* has 0\.1 GB.*--no-memory-check"):
         run_conversion(plan_conversion(dense, cfg), tmp_path / "moe")
@@ -729,7 +731,7 @@ def test_a_saved_state_is_written_one_tensor_at_a_time(tmp_path):
     import weakref
 
     from moeify.distill import Pending
-    from moeify.tune import SavedTensors, _stream_save
+    from moeify.tune.state import SavedTensors, _stream_save
 
     alive, produced = [], []
 

@@ -1,0 +1,37 @@
+"""Recovery tuning as a stage: `moeify tune SRC OUT` and the tuning step of `moeify convert --tune-tokens N`.
+
+The stage distils a moeify output (tuned or not) towards its dense source and writes the result back all or nothing,
+as convert writes its output. Everything the student needs is read from OUT (the expert tensors, routers and each
+layer's neuron permutation in report.json) and SRC (the teacher), so an output can be tuned further at any later
+time, and `convert` runs the same code on the carve it has just written. The step itself (the masked MoE student,
+the KL, the optimizer loop) is moeify.distill: tensors in, tensors out.
+
+One job a module, in the order a run meets them (each imports only those below it; pyproject.toml's import-linter
+contracts check it):
+
+    run.py       a run from start to end: check_run refuses every bad input before any work, then the state
+                 directory, teacher, tuning text, teacher pass, distillation and the all-or-nothing write
+    dry_run.py   `tune --dry-run`: the same checks, a few steps timed, the whole run's time and memory estimated
+    sizing.py    memory: whether the run fits the device, whether the student's state is offloaded, the peak
+    student.py   the student: built on the teacher's frozen modules, sharded as built, gathered after
+    teacher.py   the teacher: loaded (sharded across processes), its pass over the real windows, its FFNs freed
+    data.py      the tuning text: real windows, the dense model's own sampled windows, their kept targets
+    output.py    the base output read and checked against the source; the tuned output written
+    state.py     the resumable state in OUT.moeify-tune/ (its files, atomic saves, signals, lock, fingerprints)
+                 and its checks on --resume
+    options.py   what a run is asked to do (TuneOptions) and the interruption a signal turns into
+
+Resumable: the run's whole state lives in `OUT.moeify-tune/` (state.py describes its files), saved atomically;
+`--resume` continues from it and ends with the weights an uninterrupted run would have (same machine and thread
+count).
+"""
+
+from .dry_run import estimate_run
+from .options import TuneOptions, TuningInterrupted, options_from_config
+from .output import read_output
+from .run import tune_output
+from .state import TuningState, refuse_leftover_state, resume_command, state_dir
+from .student import build_student
+
+__all__ = ["TuneOptions", "TuningInterrupted", "TuningState", "build_student", "estimate_run", "options_from_config",
+           "read_output", "refuse_leftover_state", "resume_command", "state_dir", "tune_output"]

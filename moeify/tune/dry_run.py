@@ -1,0 +1,98 @@
+"""`moeify tune --dry-run`: the run's inputs checked as the run checks them, then a few real tuning steps, a batch of
+sampling and the teacher pass timed on this device, and the whole run's time and memory estimated from them."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import CheckpointReader
+from ..memory import device_memory
+from ..numerics import release_memory, resolve_device
+from .data import SAMPLE_BATCH, drawn_windows, real_windows, sample_batch_for, text_sources
+from .options import TuneOptions
+from .run import check_run
+from .sizing import fit_memory, peak_memory, predicted_memory
+from .student import tuning_student
+from .teacher import free_teacher_ffns, load_teacher
+
+
+def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, resume: bool = False,
+                 device: str = "auto", steps: int = 4, offload: bool | None = None, memory_check: bool = True) -> dict:
+    """`tune --dry-run`: build the teacher and student as the run would, time `steps` tuning steps on the real text
+    (the first is a warm-up) and the sampling of one batch of short continuations, and measure the peak memory.
+    Offload (FSDP2 CPU offload of the student's state) as the run would have it: given, or chosen by the memory
+    model where the GPU is too small otherwise; a run that fits nowhere here is refused before anything loads, as
+    the run itself would be. Writes nothing. Returns the measured rates, the estimated time of the whole run and the
+    memory model's prediction (moeify.memory)."""
+    from ..distill import DistillSettings, distill, final_hidden
+    from ..numerics import tuning_autocast
+    from ..sampling import sample_text, sampling_seconds_per_token
+    from ..parallel import Parallel
+
+    src, out = Path(src), Path(out)
+    run = check_run(src, out, opts, resume=resume, restart=True, base=None, given=None, world=1)
+    bo, opts, seq = run.bo, run.opts, run.seq
+    base = run.base
+    dev = resolve_device(device)
+    offload = fit_memory(src, bo, opts, Parallel(device=dev), offload, memory_check)
+    teacher = load_teacher(src, dev)
+    real, held, _ = run.real or real_windows(src, text_sources(bo, opts), seq)
+    n_prompt = min(16, seq // 4)
+    new = min(seq - n_prompt, 96)  # a full sampling batch, a fifth of a window's new tokens: the cost per step,
+    n_sampled = round(opts.generated * opts.tokens / seq)
+    size = sample_batch_for(teacher, seq, n_sampled + min(2, max(1, n_sampled // 10))) if n_sampled else SAMPLE_BATCH
+    prompts = real[torch.arange(size) % real.shape[0], :n_prompt]  # fitted against the KV cache's length
+    stamps: list = []  # the dynamic cache: its steps grow with the length, as the fit assumes (the run's static cache
+    # is sized by the whole window, not by these 96 tokens, and is ~20% cheaper: the estimate errs high, not low)
+    settings = DistillSettings(tokens=steps * 1024, lr=opts.lr, train_router=opts.train_router,
+                               train_attention=opts.train_attention, evals=1)
+    ctx, bf16 = tuning_autocast(dev, settings.autocast)
+    sample_text(teacher, prompts, new, 0, batch=size, keep_hidden=True, step_times=stamps, cache="dynamic",
+                bf16=bf16)
+    sampling_rate = sampling_seconds_per_token(stamps, n_prompt, seq) / size * 1024
+    # the teacher pass over the windows these steps draw (timed), then the teacher's FFNs freed, as the run does
+    held1 = held[:1] if len(held) else real[-1:]
+    drawn = drawn_windows(real.shape[0], settings.seed, max(1, settings.batch_tokens // seq), steps)
+    t0 = time.time()
+    with torch.no_grad(), ctx:
+        kept = {int(i): final_hidden(teacher, real[i:i + 1].to(dev)).float().cpu()[0] for i in drawn}
+        held_t = final_hidden(teacher, held1.to(dev)).float().cpu()
+    teacher_rate = (time.time() - t0) / ((len(drawn) + 1) * seq) * 1024
+    free_teacher_ffns(teacher, bo)
+    release_memory()
+    par = Parallel(device=dev)
+    if offload:
+        from ..parallel import with_offload
+
+        par = with_offload(par)
+    stamps = []
+    try:
+        with contextlib.closing(CheckpointReader(base)) as reader:
+            student = tuning_student(teacher, bo, reader, par, opts.train_attention, tuning_autocast(dev, settings.autocast)[1])
+        distill(teacher, student, real, held1, settings, progress=lambda *a: stamps.append(time.time()),
+                targets=kept.get, held_targets=held_t, par=par)
+    finally:
+        if par.own_group:
+            par.close()
+    step_s = (stamps[-2] - stamps[0]) / max(1, len(stamps) - 2)  # steps 2..n-1: no warm-up, no held-out check
+    per_step = max(1, settings.batch_tokens // seq) * seq
+    n_steps = -(-opts.tokens // per_step)
+    sampled = round(opts.generated * opts.tokens / seq) * seq
+    # the real windows the whole run is expected to draw at least once (draws uniform over real + sampled windows)
+    n_real, n_all = real.shape[0], real.shape[0] + sampled // seq
+    teacher_tokens = n_real * (1 - (1 - 1 / n_all) ** (n_steps * per_step // seq)) * seq + held.shape[0] * seq
+    sampling_s = sampled // seq * (seq - n_prompt) / 1024 * sampling_rate  # generated tokens (prompts are real)
+    peak, what = peak_memory(dev)
+    predicted = predicted_memory(src, bo, opts, seq, dev, settings, offload=offload, sample_batch=size)
+    return {"sample_batch": size, "tokens": opts.tokens, "device": dev, "offload": bool(offload), "step_tokens": per_step,
+            "step_seconds": step_s,
+            "tokens_per_second": per_step / step_s, "steps": n_steps, "sampled_tokens": sampled,
+            "sampling_seconds_per_1k": sampling_rate, "sampling_seconds": sampling_s,
+            "tuning_seconds": n_steps * step_s, "teacher_pass_seconds": teacher_tokens / 1024 * teacher_rate,
+            "estimated_seconds": n_steps * step_s + sampling_s + teacher_tokens / 1024 * teacher_rate,
+            "peak_bytes": peak, "peak_what": what, "predicted": predicted.to_dict(),
+            "host_peak_bytes": peak_memory("cpu")[0], "device_bytes": device_memory(dev)}

@@ -1,0 +1,77 @@
+"""What a tuning run is asked to do: `moeify tune`'s flags as TuneOptions (and what `convert --tune-*` asks), checked
+before any work; and the interruption a signal turns into."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ..config import ConvertConfig
+from ..errors import MoeifyError
+
+SCHEDULES = ("continue", "restart")
+Progress = Callable[..., None]  # progress(stage, done, total): the CLI's bars
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    """What a tuning run is asked to do (`moeify tune` flags; `convert` derives them from its --tune-* flags)."""
+
+    tokens: int  # training tokens of this run (its warm-up and cosine: see schedule)
+    lr: float = 0.003  # Adam step relative to each expert tensor's RMS (moeify.distill.DistillSettings.lr)
+    generated: float = 0.5  # share of the tokens the dense model samples itself
+    calib: tuple[str, ...] = ()  # real tuning text; () = the output's own calibration text (its moeify.toml)
+    tune_text: tuple[str, ...] = ()  # more real text; () with calib () = the output's own --tune-text
+    train_router: bool = True
+    train_attention: bool = False
+    seed: int | None = None  # None: the output's seed, moved on by the number of earlier runs (fresh text each run)
+    schedule: str = "continue"  # continue: the step size follows one cosine over the output's earlier tuning tokens
+    # and these (a doubling starts at half the peak and decays to 0); restart: a whole cosine from the peak
+
+    def validate(self) -> None:
+        if not isinstance(self.tokens, int) or isinstance(self.tokens, bool) or self.tokens < 1:
+            raise MoeifyError(f"--tokens must be a positive integer (tuning tokens), got {self.tokens!r}")
+        if not 0.0 < self.lr < 1.0:
+            raise MoeifyError(f"--lr must be in (0, 1) (a step size relative to each weight's RMS), got {self.lr}")
+        if not 0.0 <= self.generated < 1.0:
+            raise MoeifyError(f"--tune-generated must be in [0, 1) (the share of tuning windows the dense model "
+                              f"samples itself), got {self.generated}")
+        if self.schedule not in SCHEDULES:
+            raise MoeifyError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        for f in (*self.calib, *self.tune_text):
+            if not Path(f).is_file():
+                raise MoeifyError(f"tuning text {f} not found", "pass existing .txt/.jsonl files to --calib / --tune-text")
+
+    @classmethod
+    def from_record(cls, options: dict) -> TuneOptions:
+        """The options a run recorded in its run.json (dataclasses.asdict of them; states saved before --schedule
+        ran whole cosines). ValueError for a record that is not such options."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {"schedule": "restart", **options}
+        if set(values) - names or "tokens" not in values:
+            raise ValueError(f"options {sorted(set(values) - names) or ['tokens']} unknown or missing")
+        opts = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+        if not isinstance(opts.tokens, int) or opts.tokens < 1 or opts.schedule not in SCHEDULES:
+            raise ValueError("tokens or schedule invalid")
+        return opts
+
+    def schedule_from(self, prior_tokens: int) -> float:
+        """Where in one cosine schedule over prior_tokens + tokens this run starts (DistillSettings.schedule_from):
+        prior / (prior + tokens) when continuing a tuned output, 0 for a fresh output or a restarted schedule."""
+        return prior_tokens / (prior_tokens + self.tokens) if self.schedule == "continue" and prior_tokens > 0 else 0.0
+
+
+def options_from_config(cfg: ConvertConfig) -> TuneOptions:
+    """The tuning run `convert --tune-tokens` asks for."""
+    return TuneOptions(tokens=cfg.tune_tokens, lr=cfg.tune_model_lr, generated=cfg.tune_generated,
+                       train_router=cfg.tune_router, train_attention=cfg.tune_attention)
+
+
+class TuningInterrupted(KeyboardInterrupt):
+    """A run stopped by SIGINT / SIGTERM after saving its state."""
+
+    def __init__(self, step: int, total: int):
+        super().__init__(f"tuning stopped at step {step} of {total}; its state is saved")
+        self.step, self.total = step, total

@@ -1,0 +1,59 @@
+"""Memory: whether a run fits the device (moeify.memory's model of it, said before anything loads), whether the
+student's state is offloaded to host memory, and the peak a run measured."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..memory import device_memory
+from .data import SAMPLE_BATCH
+from .options import TuneOptions
+from .output import BaseOutput
+
+
+def fit_memory(src: Path, bo: BaseOutput, opts: TuneOptions, par, offload: bool | None, memory_check: bool,
+               notify=None) -> bool:
+    """Whether the run offloads (given, or where the memory model says the GPU needs it), after refusing a run that
+    the model says fits nowhere here (unless memory_check is off). The run and its dry run both decide so."""
+    from ..families import load_source
+    from ..memory import check_fits, choose_offload
+
+    seq = int(bo.report.get("calibration", {}).get("seq_len") or bo.cfg.calib_seq_len)
+    dev, have = par.device, device_memory(par.device)
+    if offload is None:
+        offload = choose_offload(*(predicted_memory(src, bo, opts, seq, dev, world=par.world, offload=o)
+                                   for o in (False, True)), dev, have)
+        if offload and notify:
+            notify("the student's state does not fit the GPU: offloading it to host memory (FSDP2 CPU offload); "
+                   "--no-offload turns that off")
+    if memory_check:
+        check_fits(predicted_memory(src, bo, opts, seq, dev, world=par.world, offload=offload), dev, have,
+                   load_source(src), bo.cfg.experts, len(bo.cfg.dense_layers), seq)
+    return offload
+
+
+def predicted_memory(src: Path, bo: BaseOutput, opts: TuneOptions, seq: int, dev: str, settings=None, world: int = 1,
+                     offload: bool = False, sample_batch: int = SAMPLE_BATCH):
+    """moeify.memory's prediction for this run (the config of SRC, the layout of the output; sample_batch: the
+    windows sampled at once, SAMPLE_BATCH where the run has not chosen yet, the least it samples)."""
+    from ..distill import DistillSettings
+    from ..numerics import tuning_autocast
+    from ..families import load_source
+    from ..memory import source_tuning_memory
+
+    settings = settings or DistillSettings(tokens=opts.tokens)
+    return source_tuning_memory(load_source(src), bo.cfg.experts, len(bo.cfg.dense_layers), seq=seq,
+                                micro_windows=settings.micro_windows, kl_chunk=settings.kl_chunk,
+                                sample_batch=sample_batch, bf16=tuning_autocast(dev, settings.autocast)[1],
+                                train_attention=opts.train_attention, device=dev, world=world, offload=offload)
+
+
+def peak_memory(dev: str) -> tuple[int, str]:
+    """The process's peak memory so far on the device tuning ran on (a GPU's allocator, or the peak RSS)."""
+    if dev.startswith("cuda"):
+        return int(torch.cuda.max_memory_allocated(torch.device(dev))), "torch.cuda.max_memory_allocated"
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "peak RSS of this process"
