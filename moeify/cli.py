@@ -197,7 +197,9 @@ def convert(
                                                "field) from your domain; repeat for several files [default: the "
                                                "bundled sample, ~200 KB of Wikipedia and a novel]."),
     weight_only: bool = typer.Option(False, "--weight-only", help="Carve from the weights alone (no calibration: "
-                                     "fast, much worse quality; see BENCHMARKS.md)."),
+                                     "fast, much worse quality; see BENCHMARKS.md). With --preset: the preset's "
+                                     "layout, its calibrated settings replaced by weight-only ones (gate-cluster, "
+                                     "representative router, no refit, no tuning; each said in a note)."),
     calib_tokens: Optional[int] = typer.Option(None, help="Calibration tokens; more than the text has is an error "
                                               "[default: all of the text, up to 65536]."),
     calib_seq_len: Optional[int] = typer.Option(None, help="Calibration window length [default: 512, capped at "
@@ -276,7 +278,9 @@ def convert(
     try:
         if weight_only and calib:
             raise MoeifyError("--weight-only and --calib contradict each other", "pass one of them")
-        cfg = build_config(preset, default_calib=not weight_only, source=src, experts=experts, top_k=top_k,
+        notes: list[str] = []
+        cfg = build_config(preset, default_calib=not weight_only, source=src, weight_only=weight_only, notes=notes,
+                           experts=experts, top_k=top_k,
                            shared=shared,
                            method=method, router=router,
                            format=format, dense_layers=dense_layers, gate_tolerance=gate_tolerance, seed=seed,
@@ -298,6 +302,8 @@ def convert(
             read_text(eval_data)
         plan = plan_conversion(src, cfg, allow_pickle=allow_pickle, allow_nonfinite=allow_nonfinite, force=force)
         tables = _tables(json_dest)
+        for note in notes:
+            tables.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
         print_plan(tables, plan, out)
         if dry_run:
             tables.print("[dim]--dry-run: nothing written[/]")

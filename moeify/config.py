@@ -154,6 +154,18 @@ class ConvertConfig:
             raise MoeifyError("--format mixtral cannot keep layers dense", "use --format qwen2_moe (or auto)")
 
 
+# --weight-only: each setting that needs calibration text, and what it becomes without text
+WEIGHT_ONLY = {"method": "gate-cluster", "router": "representative", "compensate": False, "fit_epochs": 0,
+               "tune_tokens": 0}
+
+
+def _needs_text(key: str, value) -> bool:
+    """Whether `key = value` needs calibration text (ConvertConfig.needs_calibration, one setting at a time)."""
+    return bool(value) and (key == "method" and value in CALIB_METHODS or key == "router" and value == "fitted"
+                            or key in ("compensate", "fit_epochs", "tune_tokens", "calib")
+                            or key == "dense_layers" and str(value).startswith("auto:"))
+
+
 def _flag(name: str) -> str:
     return name.replace("_", "-")
 
@@ -217,13 +229,30 @@ def _absolute(f: str | Path) -> str:
 
 
 def build_config(preset: str | Path | None = None, default_calib: bool = False, source=None,
-                 **flags) -> ConvertConfig:
+                 weight_only: bool = False, notes: list[str] | None = None, **flags) -> ConvertConfig:
     """Merge a preset with flags (flags that are None fall back to the preset, then to the defaults).
     default_calib: calibrate on the bundled sample (BUNDLED_CALIB) when neither preset nor flags name a text
     (the command line's default; `--weight-only` turns it off).
     source: the dense checkpoint (directory or config.json) or its d_ff: needed when the preset states its layout
-    as shares ([layout], moeify/layout.py) and the flags do not give every count; the counts are resolved for it."""
+    as shares ([layout], moeify/layout.py) and the flags do not give every count; the counts are resolved for it.
+    weight_only (`--weight-only`): carve from the weights alone: the preset's settings that need calibration text
+    give way to their weight-only counterparts (WEIGHT_ONLY; each replacement said in `notes`), and a flag that
+    needs text contradicts it."""
     values = load_preset(preset) if preset else {}
+    if weight_only:
+        if values.get("calib") and notes is not None:
+            notes.append(f"--weight-only: the preset's calib = {_toml_value(values['calib'])} is not read")
+        values.pop("calib", None)
+        for key, off in WEIGHT_ONLY.items():
+            if flags.get(key) is None and _needs_text(key, values.get(key)):
+                if notes is not None:
+                    notes.append(f"--weight-only: the preset's {key} = {_toml_value(values[key])} becomes "
+                                 f"{_toml_value(off)}")
+                values[key] = off
+        given = [k for k, v in flags.items() if v is not None and _needs_text(k, v)]
+        if given:
+            raise MoeifyError(f"--weight-only and --{_flag(given[0])} {flags[given[0]]} contradict each other "
+                              "(it needs calibration text)", "drop one of them")
     values.update({k: v for k, v in flags.items() if v is not None})
     if needs_resolution(values):
         if source is None:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from moeify.config import build_config
+from moeify.errors import MoeifyError
 
 
 def test_text_paths_are_recorded_absolute_so_tune_finds_them_from_another_directory(tmp_path, monkeypatch):
@@ -15,3 +18,45 @@ def test_text_paths_are_recorded_absolute_so_tune_finds_them_from_another_direct
     cfg = build_config(experts=4, top_k=2, calib=[Path("texts/a.txt")], tune_text=["texts/a.txt"])
     assert cfg.calib == (str(tmp_path / "texts" / "a.txt"),) and cfg.tune_text == cfg.calib
     assert build_config(experts=4, top_k=2, calib=["missing.txt"]).calib == ("missing.txt",)  # refused later, as given
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("preset", ["active-25.toml", "active-50.toml"])
+def test_weight_only_carves_a_presets_layout_from_the_weights_alone(preset):
+    """`convert --preset P --weight-only`: the preset's layout, its calibrated settings replaced (each noted)."""
+    path = REPO / "configs" / preset
+    calibrated = build_config(path, default_calib=True, source=4864)
+    notes: list[str] = []
+    cfg = build_config(path, default_calib=False, source=4864, weight_only=True, notes=notes)
+    assert (cfg.experts, cfg.shared, cfg.top_k, cfg.format) == (calibrated.experts, calibrated.shared,
+                                                                 calibrated.top_k, calibrated.format)
+    assert (cfg.method, cfg.router, cfg.compensate, cfg.tune_tokens, cfg.calib) == ("gate-cluster", "representative",
+                                                                                    False, 0, ())
+    assert not cfg.needs_calibration and calibrated.needs_calibration
+    assert [n.split(" = ")[0] for n in notes] == [f"--weight-only: the preset's {k}" for k in
+                                                  ("method", "router", "compensate", "tune_tokens")]
+    assert 'method = "activation" becomes "gate-cluster"' in notes[0]
+
+
+def test_weight_only_refuses_a_flag_that_needs_text():
+    with pytest.raises(MoeifyError, match=r"--weight-only and --method activation contradict"):
+        build_config(REPO / "configs" / "active-25.toml", source=4864, weight_only=True, method="activation")
+    with pytest.raises(MoeifyError, match=r"--weight-only and --tune-tokens 1024 contradict"):
+        build_config(experts=4, top_k=2, weight_only=True, tune_tokens=1024)
+    cfg = build_config(experts=4, top_k=2, weight_only=True, method="contiguous")  # a weight-only flag is kept
+    assert cfg.method == "contiguous" and not cfg.needs_calibration
+
+
+def test_convert_with_a_preset_and_weight_only_says_what_it_replaced(tmp_path):
+    from typer.testing import CliRunner
+
+    from moeify.cli import app
+
+    res = CliRunner().invoke(app, ["convert", str(REPO / "examples" / "tiny-llama"), str(tmp_path / "out"),
+                                   "--preset", str(REPO / "configs" / "active-25.toml"), "--weight-only"])
+    assert res.exit_code == 0, res.output
+    assert "note: --weight-only: the preset's method" in " ".join(res.output.split())
+    toml = (tmp_path / "out" / "moeify.toml").read_text()
+    assert 'method = "gate-cluster"' in toml and "tune_tokens = 0" in toml and "shared = 8" in toml
