@@ -1,6 +1,6 @@
 """Layer-sequential calibration: calibration tokens through the dense model, one decoder layer resident.
 
-Each decoder layer is a real transformers LlamaDecoderLayer/MistralDecoderLayer (rotary embeddings,
+Each decoder layer is a real transformers LlamaDecoderLayer/MistralDecoderLayer/Qwen2DecoderLayer (rotary embeddings,
 causal or sliding-window mask and GQA exactly as the model computes them), built on the meta device and
 loaded with only that layer's weights. The FFN input of every calibration token (post-attention RMSNorm
 output) is what the carving statistics, router fitting and down-projection refit are computed from.
@@ -106,29 +106,21 @@ class LayerwiseModel:
 
     def __init__(self, src: SourceModel, reader: CheckpointReader, tokens: torch.Tensor, device: str = "cpu",
                  batch_size: int = 8):
-        from transformers import LlamaConfig, MistralConfig
+        from .families import family_classes
 
-        cls = LlamaConfig if src.model_type == "llama" else MistralConfig
+        cls, self._layer_cls, rotary = family_classes(src.model_type)
         self.config = cls.from_dict({k: v for k, v in src.raw.items() if k != "auto_map"})
         self.config._attn_implementation = "sdpa"
         self.src, self.reader, self.device, self.batch_size = src, reader, torch.device(device), batch_size
         self.tokens = tokens
         embed = reader.get("model.embed_tokens.weight")
         self.hidden = F.embedding(tokens, embed).float().to(self.device)  # (n_seq, seq, d_model)
-        if src.model_type == "llama":
-            from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding as Rotary
-        else:
-            from transformers.models.mistral.modeling_mistral import MistralRotaryEmbedding as Rotary
-        self.rotary = Rotary(self.config).to(self.device)
+        self.rotary = rotary(self.config).to(self.device)
         self.position_ids = torch.arange(tokens.shape[1], device=self.device).unsqueeze(0)
 
     def load_layer(self, layer_idx: int) -> torch.nn.Module:
-        if self.src.model_type == "llama":
-            from transformers.models.llama.modeling_llama import LlamaDecoderLayer as Layer
-        else:
-            from transformers.models.mistral.modeling_mistral import MistralDecoderLayer as Layer
         with torch.device("meta"):
-            layer = Layer(self.config, layer_idx)
+            layer = self._layer_cls(self.config, layer_idx)
         prefix = f"model.layers.{layer_idx}."
         state = {k: self.reader.get(prefix + k).float().to(self.device) for k in layer.state_dict()}
         layer.load_state_dict(state, assign=True)

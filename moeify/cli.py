@@ -18,7 +18,7 @@ from rich.text import Text
 from .errors import MoeifyError
 
 app = typer.Typer(
-    help="Carve a dense LLaMA/Mistral checkpoint into a Mixture-of-Experts checkpoint, and measure the cost.",
+    help="Carve a dense LLaMA/Mistral/Qwen2 checkpoint into a Mixture-of-Experts checkpoint, and measure the cost.",
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
     rich_markup_mode=None,  # help texts say "[default: ...]"; as rich markup those brackets would vanish
 )

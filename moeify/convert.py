@@ -66,7 +66,7 @@ class ConversionPlan:
         s = self.src
         n_dense = len(self.cfg.dense_layers) or self.cfg.dense_auto
         return engine_notes(self.fmt, self.cfg.top_k, self.cfg.experts, self.shared_width, self.padded_width,
-                            self.tied_out, n_dense, s.head_dim, s.hidden, s.heads)
+                            self.tied_out, n_dense, s.head_dim, s.hidden, s.heads, s.qkv_bias)
 
     def tuning_memory(self):
         """(moeify.memory.TuneMemory, device, the device's memory or None) of this plan's recovery tuning."""
@@ -114,6 +114,11 @@ def plan_conversion(src_path: str | Path, cfg: ConvertConfig, *, allow_pickle: b
     reader = CheckpointReader(src.path, allow_pickle=allow_pickle, allow_nonfinite=allow_nonfinite)
     check_source_tensors(src, reader.tensors)
     fmt = cfg.resolved_format()
+    if src.qkv_bias:  # Qwen2's q/k/v biases: Qwen2-MoE holds them, Mixtral has none
+        if cfg.format == "mixtral":
+            raise MoeifyError(f"--format mixtral cannot hold the q/k/v biases of {src.path} ({src.model_type})",
+                              "use --format qwen2_moe (or auto)")
+        fmt = "qwen2_moe"
 
     units = cfg.experts + cfg.shared
     if src.d_ff % units:
@@ -288,8 +293,8 @@ def _write_tensors(plan: ConversionPlan, writer: ShardWriter, carved: dict[int, 
         for name in (n + ".weight" for n in ATTENTION_TENSORS):
             t = tuned_attn.get(name.removesuffix(".weight"))
             writer.write(p + name, (reader.get(p + name) if t is None else t).to(dtype))
-        for name, shape in attention_extras(plan.fmt, src, i):
-            writer.write(name, torch.zeros(shape, dtype=dtype))
+        for name, shape in attention_extras(plan.fmt, src, i):  # a Qwen2 source's biases, or zeros
+            writer.write(name, reader.get(name).to(dtype) if src.qkv_bias else torch.zeros(shape, dtype=dtype))
         gate, up, down = (reader.get(p + f"mlp.{n}_proj.weight") for n in ("gate", "up", "down"))
         if i in cfg.dense_layers:
             for name, t in zip(ffn_tensor_names(plan.fmt, i, cfg.experts, True, cfg.shared > 0), (gate, up, down)):

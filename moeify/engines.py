@@ -36,9 +36,11 @@ class EngineNote:
 
 
 def engine_notes(fmt: str, top_k: int, experts: int, shared_width: int, padded_width: int, tied_out: bool,
-                 dense_layers: int, head_dim: int, hidden: int, heads: int) -> list[EngineNote]:
-    """What each engine says of a planned layout (empty: every engine runs it as well as its width allows)."""
+                 dense_layers: int, head_dim: int, hidden: int, heads: int, qkv_bias: bool = False) -> list[EngineNote]:
+    """What each engine says of a planned layout (empty: every engine runs it as well as its width allows).
+    qkv_bias: the source has q/k/v biases (Qwen2), so Mixtral is no way out."""
     notes = []
+    mixtral = "" if qkv_bias else "use --format mixtral or "
     if top_k > LLAMACPP_MAX_TOPK:
         notes.append(EngineNote("llama.cpp", True, f"top-k {top_k} overflows its compute graph (more than "
                                 f"{LLAMACPP_MAX_TOPK} experts per token abort with GGML_ASSERT(obj_new))",
@@ -54,13 +56,13 @@ def engine_notes(fmt: str, top_k: int, experts: int, shared_width: int, padded_w
                                     "leave out --dense-layers"))
         if not shared_width:
             notes.append(EngineNote("llama.cpp", True, "its qwen2moe expects a shared expert",
-                                    "use --format mixtral or --shared S"))
+                                    f"{mixtral}--shared S"))
             notes.append(EngineNote("vllm", True, "its Qwen2-MoE builds no shared expert at "
                                     "shared_expert_intermediate_size 0 and refuses the checkpoint's empty "
-                                    "shared_expert tensors", "use --format mixtral or --shared S"))
+                                    "shared_expert tensors", f"{mixtral}--shared S"))
         if head_dim * heads != hidden:
-            fix = "use --format mixtral"
-            if shared_width:  # the Mixtral layout with the same share of neurons active, top-k within llama.cpp's
+            fix = "use --format mixtral" if not qkv_bias else "serve it with transformers or llama.cpp"
+            if shared_width and not qkv_bias:  # the Mixtral layout with the same share of neurons active, top-k within llama.cpp's
                 slices = shared_width / padded_width
                 share = (top_k + slices) / (experts + slices)
                 fix = (f"use --format mixtral --shared 0 --experts {round(LLAMACPP_MAX_TOPK / share)} --top-k "

@@ -1,4 +1,4 @@
-"""Source families (llama, mistral) and target formats (mixtral, qwen2_moe).
+"""Source families (llama, mistral, qwen2) and target formats (mixtral, qwen2_moe).
 
 Tensor-name templates, config translation, and what each target can represent exactly.
 Facts checked against transformers 5.23 (see shared FORMATS.md):
@@ -23,7 +23,14 @@ import torch
 from .checkpoint import DTYPE_NAMES, TensorInfo
 from .errors import MoeifyError
 
-SOURCE_TYPES = ("llama", "mistral")
+SOURCE_TYPES = ("llama", "mistral", "qwen2")
+# transformers' classes of each source family: (config, decoder layer, rotary embedding), in models/<family>/
+FAMILY_CLASSES = {"llama": ("LlamaConfig", "LlamaDecoderLayer", "LlamaRotaryEmbedding"),
+                  "mistral": ("MistralConfig", "MistralDecoderLayer", "MistralRotaryEmbedding"),
+                  "qwen2": ("Qwen2Config", "Qwen2DecoderLayer", "Qwen2RotaryEmbedding")}
+# q/k/v projections with a bias: Qwen2's attention always has them (its config has no switch); a Llama/Mistral with
+# attention_bias = true is refused (no bias-free target would be exact, and none of their checkpoints has them)
+BIAS_TENSORS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 # Each decoder layer's attention projections and RMSNorm weights (`NAME.weight`), in the order the output is written:
 # copied from the source, or tuned with --tune-attention.
 ATTENTION_TENSORS = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -54,6 +61,7 @@ class SourceModel:
     dtype: torch.dtype | None  # from config; None when the config does not say
     rope_parameters: dict
     sliding_window: int | None
+    qkv_bias: bool = False  # q/k/v projections with biases (Qwen2), carried into the output
 
     def expected_tensors(self) -> dict[str, tuple[int, ...]]:
         h, f, q, kv = self.hidden, self.d_ff, self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -68,6 +76,9 @@ class SourceModel:
                 p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f),
                 p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
             })
+            if self.qkv_bias:
+                shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                               p + "self_attn.v_proj.bias": (kv,)})
         return shapes
 
 
@@ -103,18 +114,17 @@ def load_source(path: str | Path) -> SourceModel:
     if model_type in MOE_TYPES or moe_key:
         what = f"model_type {model_type!r}" if model_type in MOE_TYPES else f"{model_type!r} with {moe_key} = {raw[moe_key]}"
         raise MoeifyError(f"{path}/config.json: {what} is already a Mixture-of-Experts model",
-                          "moeify converts dense llama/mistral checkpoints")
+                          "moeify converts dense llama/mistral/qwen2 checkpoints")
     if model_type not in SOURCE_TYPES:
         raise MoeifyError(f"{path}/config.json: model_type {model_type!r} is not supported",
                           f"supported dense sources: {', '.join(SOURCE_TYPES)}")
     for flag in ("attention_bias", "mlp_bias"):
         if raw.get(flag):
             raise MoeifyError(f"{path}/config.json: {flag}=true cannot be represented in Mixtral or Qwen2-MoE",
-                              "only bias-free llama/mistral checkpoints are supported")
+                              "only bias-free llama/mistral checkpoints (and qwen2, whose q/k/v biases Qwen2-MoE "
+                              "holds) are supported")
     # Let transformers standardise rope (legacy rope_theta/rope_scaling -> rope_parameters) and defaults.
-    from transformers import LlamaConfig, MistralConfig
-
-    cls = LlamaConfig if model_type == "llama" else MistralConfig
+    cls = family_classes(model_type)[0]
     try:
         cfg = cls.from_dict({k: v for k, v in raw.items() if k not in ("auto_map",)})
     except Exception as exc:  # transformers raises many types for bad values
@@ -126,13 +136,27 @@ def load_source(path: str | Path) -> SourceModel:
     heads, kv, head_dim = attention_shape(cfg)
     dtype_name = raw.get("torch_dtype") or raw.get("dtype")
     sliding = raw.get("sliding_window") if model_type == "mistral" else None
+    if model_type == "qwen2" and cfg.sliding_window is not None:  # use_sliding_window: no released Qwen2 has it
+        raise MoeifyError(f"{path}/config.json: use_sliding_window = true (sliding windows from layer "
+                          f"{cfg.max_window_layers} on) is not supported: Qwen2-MoE engines read those fields "
+                          "differently (transformers: every other layer below max_window_layers)",
+                          "convert a checkpoint with use_sliding_window = false (every released Qwen2 / Qwen2.5)")
     return SourceModel(
         path=path, raw=raw, model_type=model_type, hidden=cfg.hidden_size, d_ff=cfg.intermediate_size,
         n_layers=cfg.num_hidden_layers, heads=heads, kv_heads=kv, head_dim=head_dim, vocab=cfg.vocab_size,
         tied=bool(cfg.tie_word_embeddings), dtype=DTYPE_NAMES.get(dtype_name) if isinstance(dtype_name, str) else None,
         rope_parameters=dict(cfg.rope_parameters or {"rope_type": "default", "rope_theta": 10000.0}),
-        sliding_window=sliding,
+        sliding_window=sliding, qkv_bias=model_type == "qwen2",
     )
+
+
+def family_classes(model_type: str) -> tuple[type, type, type]:
+    """transformers' (config, decoder layer, rotary embedding) classes of a source family (FAMILY_CLASSES)."""
+    import importlib
+
+    config, layer, rotary = FAMILY_CLASSES[model_type]
+    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    return getattr(importlib.import_module("transformers"), config), getattr(modeling, layer), getattr(modeling, rotary)
 
 
 def read_source_config(path: str | Path) -> SourceModel:
@@ -247,7 +271,7 @@ def ffn_tensor_names(fmt: str, layer_idx: int, experts: int, dense: bool, shared
 
 
 def attention_extras(fmt: str, src: SourceModel, layer_idx: int) -> list[tuple[str, tuple[int, ...]]]:
-    """Tensors the target needs that a Llama source lacks: Qwen2-MoE's zero q/k/v biases."""
+    """The target's q/k/v biases (Qwen2-MoE has them): the source's own for a Qwen2 source, zeros for a Llama's."""
     if fmt != "qwen2_moe":
         return []
     p = f"model.layers.{layer_idx}.self_attn."

@@ -78,14 +78,15 @@ class MoePlan:
 
     def engine_notes(self):
         """What transformers, vLLM and llama.cpp say of the layout `convert` carves (the inference-saving regime),
-        written as convert's default would (Mixtral, or Qwen2-MoE with a shared expert and untied embeddings)."""
+        written as convert's default would (Mixtral, or Qwen2-MoE with a shared expert or q/k/v biases, and
+        untied embeddings)."""
         from .engines import engine_notes
 
         s = self.src
         width = s.d_ff // (self.experts + self.shared)
-        fmt = "qwen2_moe" if self.shared else "mixtral"
+        fmt = "qwen2_moe" if self.shared or s.qkv_bias else "mixtral"
         return engine_notes(fmt, self.top_k, self.experts, self.shared * width, padded_width(width), False, 0,
-                            s.head_dim, s.hidden, s.heads)
+                            s.head_dim, s.hidden, s.heads, s.qkv_bias)
 
 
 def non_ffn_params(src: SourceModel) -> int:

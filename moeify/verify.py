@@ -15,7 +15,7 @@ Against the source (`--against SRC`):
   gate_proj/up_proj bit for bit, and each expert's down_proj is the source's columns times its factor
   (routed: k = top_k when the top-k weights are renormalised (mixtral), else N = the number of experts (qwen2_moe
   with norm_topk_prob false); qwen2_moe shared expert: 2), rounded once to the output dtype, bit for bit; added
-  q/k/v biases are zero and the shared-expert gate is report.json's constant row; dense layers equal the source;
+  q/k/v biases are the source's (Qwen2) or zero (added for a Llama/Mistral) and the shared-expert gate is report.json's constant row; dense layers equal the source;
 - logits: both models in float32 (the dense one rounded through the output dtype first), the MoE model with every
   expert active at exactly unit gates (router rows and shared-expert gate zeroed so every gate is 1/N and the shared
   gate 1/2, down_proj times N/k), on a short random input: max |logit difference| ≤ LOGIT_RTOL × max |dense logit|.
@@ -358,8 +358,8 @@ def check_weights_against(out: Path, layout: MoeLayout, reader: CheckpointReader
             for name in (n + ".weight" for n in ATTENTION_TENSORS):
                 same_as_source(p + name)
         for name in ("q_proj.bias", "k_proj.bias", "v_proj.bias"):
-            if p + "self_attn." + name in layout.shapes:
-                is_zero(p + "self_attn." + name)
+            if p + "self_attn." + name in layout.shapes:  # a Qwen2 source's own biases; zeros added for a Llama's
+                (same_as_source if source.qkv_bias else is_zero)(p + "self_attn." + name)
         src_g, src_u, src_d = (src_reader.get(p + f"mlp.{n}_proj.weight") for n in ("gate", "up", "down"))
         if layout.is_dense(i):
             for n, t in (("gate", src_g), ("up", src_u), ("down", src_d)):

@@ -49,18 +49,34 @@ SHAPES = [
                               model_type="mistral")),
     ("Llama-3/3.1-70B", dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                              num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False)),
+    # Qwen2.5 (and Qwen2.5-Coder): q/k/v biases, so the Qwen2-MoE format whatever the layout
+    ("Qwen2.5-0.5B", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, model_type="qwen2")),
+    ("Qwen2.5-1.5B", dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, model_type="qwen2")),
+    ("Qwen2.5-3B", dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, model_type="qwen2")),
+    ("Qwen2.5-7B", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                        num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False, model_type="qwen2")),
+    ("Qwen2.5-14B", dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
+                         num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False, model_type="qwen2")),
+    ("Qwen2.5-32B", dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                         num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False, model_type="qwen2")),
+    ("Qwen2.5-72B", dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
+                         num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False, model_type="qwen2")),
 ]
 
 
 def plan_rows() -> list[dict]:
     """One entry per (shape, preset): moeify.plan.plan_preset on the published config."""
-    from moeify.plan import plan_preset, read_source_config, serving_fit
+    from moeify.families import read_source_config
+    from moeify.plan import plan_preset, serving_fit
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="moeify-layouts-") as tmp:
         for name, cfg in SHAPES:
             model_type = cfg.get("model_type", "llama")
-            arch = "MistralForCausalLM" if model_type == "mistral" else "LlamaForCausalLM"
+            arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[model_type]
             path = Path(tmp) / "config.json"
             path.write_text(json.dumps({"architectures": [arch], "model_type": model_type, "hidden_act": "silu",
                                         "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, **cfg}))

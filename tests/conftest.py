@@ -42,17 +42,20 @@ BASE = dict(vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_lay
 
 def build_dense(path: Path, tokenizer_dir: Path | None = None, family: str = "llama", seed: int = 0,
                 dtype: torch.dtype = torch.float32, max_shard_size: str | None = None, **overrides) -> Path:
-    """Save a random dense Llama/Mistral with `save_pretrained` (real safetensors, real config)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+    """Save a random dense Llama/Mistral/Qwen2 with `save_pretrained` (real safetensors, real config)."""
+    import transformers
 
     torch.manual_seed(seed)
-    cfg_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if family == "llama" else (MistralConfig, MistralForCausalLM)
+    prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[family]
+    cfg_cls, model_cls = getattr(transformers, prefix + "Config"), getattr(transformers, prefix + "ForCausalLM")
     cfg = cfg_cls(**{**BASE, **overrides})
     model = model_cls(cfg).eval()
-    with torch.no_grad():  # non-trivial norms so scales matter
+    with torch.no_grad():  # non-trivial norms (and Qwen2's q/k/v biases, zero at init) so they matter
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.uniform_(-0.5, 0.5)
     model.to(dtype)
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kw)

@@ -131,6 +131,9 @@ def test_readme_layout_table_is_what_plan_says():
     eight_b = [r for r in rows if r["model"] == "Llama-3/3.1-8B"]
     assert {r["preset"]: (r["shared"], r["top_k"], r["experts"], r["width"]) for r in eight_b} == \
         {"active-50": (14, 14, 42, 256), "active-25": (7, 7, 49, 256)}
-    assert all(r["serving"]["llama.cpp K-quants"] for r in rows if r["d_ff"] >= 8192)
+    # every large d_ff that has a multiple of 256 for a width gets one (K-quants); Qwen2.5-0.5B (4,864 = 128 x 38) and
+    # -72B (29,568 = 128 x 231) have none, and get multiples of 128 (vLLM's FP8 block and Marlin kernels)
+    assert all(r["serving"]["llama.cpp K-quants"] for r in rows if r["d_ff"] >= 8192 and r["d_ff"] % 256 == 0)
+    assert all(r["width"] % 128 == 0 for r in rows if r["model"] in ("Qwen2.5-0.5B", "Qwen2.5-72B"))
     # plan's budget: half the FFN (5.64B) plus everything else (2.39B) of 8.03B is active at 50%
     assert 0.64 < eight_b[0]["active_params"] < 0.66
