@@ -1,0 +1,33 @@
+#!/bin/bash
+# The scale question (issue 37): both presets carved from the real Qwen2.5-Coder-0.5B (scripts/get_qwen05.py) and
+# from SmolLM2-135M (scripts/get_smollm2.py) with the same calibration text, scored on the same four held-out texts
+# (first 8,192 tokens, windows of 256, float32; WikiText-2, Shakespeare, GPL-3, and code: Python's argparse.py,
+# which no tuning or calibration text contains), training-free and after tuning on 65,536 fresh tokens
+# (`moeify tune`, the presets' defaults). Steps run one after another and each writes its result file at once:
+#     bash scripts/bench_scale_qwen05.sh [STEP...]    (steps: carve, tune; default both; MODELS="q s")
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CALIB=../shared/corpora/wikitext2/calib_train_200k.txt
+CODE=$(.venv/bin/python -c 'import argparse; print(argparse.__file__)')
+TEXTS="../shared/corpora/wikitext2/valid.txt ../shared/corpora/tinyshakespeare/valid.txt /usr/share/common-licenses/GPL-3 $CODE"
+declare -A SRC=([q]=models/qwen2.5-coder-0.5b [s]=models/smollm2-135m)
+TAG=${TAG:-s30}
+MODELS=${MODELS:-q s}  # q: Qwen2.5-Coder-0.5B, s: SmolLM2-135M
+steps=${*:-carve tune}
+for step in $steps; do for m in $MODELS; do
+  case $step in
+    carve)  # both presets training-free, then scored
+      for p in 50 25; do
+        /usr/bin/time -v .venv/bin/moeify convert ${SRC[$m]} out/scale-$m$p --preset configs/active-$p.toml \
+          --calib $CALIB --no-tune --overwrite --json out/scale-$m$p.convert.json > out/scale-$m$p.convert.log 2>&1
+      done
+      .venv/bin/python scripts/bench_curve.py ${SRC[$m]} out/scale-${m}50 out/scale-${m}25 --eval $TEXTS \
+        --threads 2 --label "training-free, $m" --json scripts/bench_scale_${TAG}_${m}_trainingfree.json ;;
+    tune)  # the 50% preset tuned on 65,536 tokens from its training-free carve, then scored
+      rm -rf out/scale-${m}50-65k out/scale-${m}50-65k.moeify-tune; cp -r out/scale-${m}50 out/scale-${m}50-65k
+      /usr/bin/time -v .venv/bin/moeify tune ${SRC[$m]} out/scale-${m}50-65k --tokens 65536 \
+        --json out/scale-${m}50-65k.tune.json > out/scale-${m}50-65k.tune.log 2>&1
+      .venv/bin/python scripts/bench_curve.py ${SRC[$m]} out/scale-${m}50-65k --eval $TEXTS --threads 2 \
+        --label "active-50, 65,536 tokens, $m" --json scripts/bench_scale_${TAG}_${m}_65k.json ;;
+  esac
+done; done
