@@ -220,6 +220,8 @@ def print_tuning(console: Console, report: dict, header: bool = True, estimate: 
                   + (f", {e['sample_batch']:,} windows at once" if e.get("sample_batch") else ""))
         t.add_row("estimated time", f"{_duration(e['estimated_seconds'])} (sampling "
                   f"{_duration(e['sampling_seconds'])}, teacher pass {_duration(e.get('teacher_pass_seconds', 0))})")
+        for n, sec in (e.get("seconds_for_tokens") or {}).items():
+            t.add_row(f"{int(n) / 2**20:g}M tokens", f"{_duration(sec)} at these rates")
         p = e["predicted"]
         t.add_row("peak memory", f"{e['peak_bytes'] / 1e9:.2f} GB measured, {p['peak'] / 1e9:.2f} GB predicted"
                   + (f" (offloaded: + {p['host_total'] / 1e9:.1f} GB host)" if e.get("offload") else ""))

@@ -339,6 +339,9 @@ def test_tune_command_line(carved, tmp_path):
     assert est["teacher_pass_seconds"] > 0 and est["sample_batch"] == 64  # a CPU samples 64 windows at once
     assert est["estimated_seconds"] == pytest.approx(est["tuning_seconds"] + est["sampling_seconds"]
                                                      + est["teacher_pass_seconds"])
+    one, ten = est["seconds_for_tokens"]["1048576"], est["seconds_for_tokens"]["10485760"]  # larger budgets priced
+    assert est["estimated_seconds"] < one < ten and 9.5 < ten / one < 10.1  # steps and sampling scale; the teacher
+    # pass saturates once every real window is drawn
     assert not state_dir(out).exists() and est["offload"] is False
     _assert_identical(out, carve)  # --dry-run writes nothing
     # the dry run measures the run as it would be: offloaded with --offload (FSDP2 CPU offload; a CPU changes only the

@@ -19,6 +19,8 @@ from .sizing import fit_memory, peak_memory, predicted_memory
 from .student import tuning_student
 from .teacher import free_teacher_ffns, load_teacher
 
+BUDGETS = (1 << 20, 10 << 20)  # 1M and 10M tokens: the budgets the dry run also prices
+
 
 def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, resume: bool = False,
                  device: str = "auto", steps: int = 4, offload: bool | None = None, memory_check: bool = True) -> dict:
@@ -80,19 +82,29 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
             par.close()
     step_s = (stamps[-2] - stamps[0]) / max(1, len(stamps) - 2)  # steps 2..n-1: no warm-up, no held-out check
     per_step = max(1, settings.batch_tokens // seq) * seq
+
+    def seconds_for(tokens: int) -> tuple[float, float, float, float]:
+        """(total, tuning steps, sampling, teacher pass) seconds of a run of `tokens` at these rates and settings."""
+        n_steps = -(-tokens // per_step)
+        sampled = round(opts.generated * tokens / seq) * seq
+        # the real windows the run is expected to draw at least once (draws uniform over real + sampled windows)
+        n_real, n_all = real.shape[0], real.shape[0] + sampled // seq
+        teacher_tokens = n_real * (1 - (1 - 1 / n_all) ** (n_steps * per_step // seq)) * seq + held.shape[0] * seq
+        sampling_s = sampled // seq * (seq - n_prompt) / 1024 * sampling_rate  # generated tokens (prompts are real)
+        parts = (n_steps * step_s, sampling_s, teacher_tokens / 1024 * teacher_rate)
+        return (sum(parts), *parts)
+
+    total_s, tuning_s, sampling_s, teacher_s = seconds_for(opts.tokens)
     n_steps = -(-opts.tokens // per_step)
     sampled = round(opts.generated * opts.tokens / seq) * seq
-    # the real windows the whole run is expected to draw at least once (draws uniform over real + sampled windows)
-    n_real, n_all = real.shape[0], real.shape[0] + sampled // seq
-    teacher_tokens = n_real * (1 - (1 - 1 / n_all) ** (n_steps * per_step // seq)) * seq + held.shape[0] * seq
-    sampling_s = sampled // seq * (seq - n_prompt) / 1024 * sampling_rate  # generated tokens (prompts are real)
     peak, what = peak_memory(dev)
     predicted = predicted_memory(src, bo, opts, seq, dev, settings, offload=offload, sample_batch=size)
     return {"sample_batch": size, "tokens": opts.tokens, "device": dev, "offload": bool(offload), "step_tokens": per_step,
             "step_seconds": step_s,
             "tokens_per_second": per_step / step_s, "steps": n_steps, "sampled_tokens": sampled,
             "sampling_seconds_per_1k": sampling_rate, "sampling_seconds": sampling_s,
-            "tuning_seconds": n_steps * step_s, "teacher_pass_seconds": teacher_tokens / 1024 * teacher_rate,
-            "estimated_seconds": n_steps * step_s + sampling_s + teacher_tokens / 1024 * teacher_rate,
+            "tuning_seconds": tuning_s, "teacher_pass_seconds": teacher_s, "estimated_seconds": total_s,
+            # what larger budgets would take here, at the same rates and mix (the quality they buy: README)
+            "seconds_for_tokens": {str(n): round(seconds_for(n)[0], 1) for n in BUDGETS},
             "peak_bytes": peak, "peak_what": what, "predicted": predicted.to_dict(),
             "host_peak_bytes": peak_memory("cpu")[0], "device_bytes": device_memory(dev)}
