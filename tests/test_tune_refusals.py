@@ -175,6 +175,9 @@ RESUME = [
     ("run.json not an object", _damage_json("run.json", "[]"), ["run.json is damaged", "not a JSON object"]),
     ("run.json options", _options, ["run.json is damaged", "options"]),
     ("state.json half-written", _damage_json("state.json", '{"file": "state-2.saf'), ["state.json is damaged"]),
+    ("state.json names a file elsewhere", _damage_json("state.json", '{"file": "../../x.safetensors", "meta": '
+                                                      '{"step": 2, "total": 12, "best_file": null}}'),
+     ["state.json is damaged", "not a snapshot file"]),
     ("snapshot truncated", _truncate("state-*.safetensors"), ["state-", "is damaged"]),
     ("snapshot missing", _remove("state-*.safetensors"), ["state-", "missing", "named by state.json"]),
     ("tuning text truncated", _truncate("data.safetensors"), ["data.safetensors is damaged"]),

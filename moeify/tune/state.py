@@ -25,6 +25,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -333,8 +334,10 @@ def read_snapshot(root: Path) -> dict | None:
             or not all(isinstance(meta.get(k), int) for k in ("step", "total")) or "best_file" not in meta):
         raise _damaged(f, "no valid file, step, total or best_file")
     for name in (saved["file"], meta["best_file"]):
+        if name is not None and not re.fullmatch(r"(state|best)-\d+\.safetensors", str(name)):
+            raise _damaged(f, f"it names {name!r}, not a snapshot file of this directory")
         if name is not None:
-            check_tensor_file(root / str(name), f"named by {f.name}")
+            check_tensor_file(root / name, f"named by {f.name}")
     return saved
 
 
