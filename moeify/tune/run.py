@@ -49,7 +49,7 @@ def check_run(src: Path, out: Path, opts: TuneOptions | None, *, resume: bool, r
     root = state_dir(out)
     if resume and restart:
         raise MoeifyError("--resume and --restart contradict each other", "pass one of them")
-    source = load_source(src)  # a dense llama/mistral checkpoint, or a clear error
+    source = load_source(src)  # a dense llama/mistral/qwen2 checkpoint, or a clear error
     if resume:
         if not (root / "run.json").is_file():
             raise MoeifyError(f"there is no interrupted tuning of {out} to resume (no {root.name}/run.json)",
