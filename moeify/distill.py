@@ -36,16 +36,15 @@ import math
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
-
 from safetensors.torch import load_file, save_file
 
 from .families import ATTENTION_TENSORS
-from .layerfit import masked_ffn
+from .moe_block import MaskedMoE
 from .numerics import tuning_autocast
 
 
@@ -60,8 +59,13 @@ class DistillSettings:
     attention_lr: float = 0.001  # their Adam step relative to each tensor's RMS: a third of the experts' (at the
     # experts' step the attention fits the tuning mix and unseen genres get worse; 0.0003-0.002 gain 1-2% on every
     # text: BENCHMARKS.md "Attention and norms with their own, smaller step")
-    batch_tokens: int = 1024
+    batch_tokens: int = 1024  # tokens a step (a CPU's; a GPU's are sized to its memory: moeify.tune.sizing.step_size)
     micro_windows: int = 1  # windows per forward + backward (gradients accumulate over a step's micro-batches)
+    lr_reference_tokens: int = 1024  # lr and temp_lr are the steps of a batch of this many tokens; a larger batch
+    # takes them times sqrt(batch_tokens / this) (Adam's square-root scaling rule: Malladi et al. 2022, "On the SDEs
+    # and scaling rules for adaptive gradient algorithms"), so a GPU's fewer, larger steps move the weights as far
+    moe_kernel: str = "auto"  # masked | grouped | auto (grouped on a GPU, masked on a CPU: moeify.moe_block;
+    # MOEIFY_MOE_KERNEL overrides auto)
     warmup_steps: int = 5
     schedule_from: float = 0.0  # where in its cosine the run starts (0: the peak); a continued run's schedule is the
     # rest of one cosine over its earlier tokens and these (moeify.tune.TuneOptions.schedule_from)
@@ -73,77 +77,6 @@ class DistillSettings:
     # always in float32. bf16 measured alike at equal tokens (SmolLM2, 50% preset, 65,536 tokens: within 0.16% on
     # three texts) and 11-13% faster a step (BENCHMARKS "Session 29"); the held-out checks stay float32
     seed: int = 0
-
-
-class Routing(torch.nn.Module):
-    """A MaskedMoE's router rows (E, d_model) and log temperature: the router logits, float32."""
-
-    def __init__(self, router: torch.Tensor, scale: float):
-        super().__init__()
-        self.router = torch.nn.Parameter(router.detach().float().clone())
-        self.log_scale = torch.nn.Parameter(torch.tensor([math.log(scale)], dtype=torch.float32))  # 1-d: FSDP2 shards it
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.float() @ (self.router * self.log_scale.exp()).T
-
-
-class MaskedMoE(torch.nn.Module):
-    """A carved FFN as the exported MoE block computes it, in the dense neuron order.
-
-    gate/up: (d_ff, d_model), down: (d_model, d_ff) as carved (without the factor k / N of the export), router:
-    (E, d_model) before the unit-gate scale, scale: that scale (> 0), labels: (d_ff,) expert of each neuron (-1:
-    shared, always on with weight 1, or with shared_gate c: 2 sigmoid(c sum(x)), Qwen2-MoE's constant gate row c
-    with the shared down_proj x 2 of the export). fmt "mixtral": gate weights are the top-k softmax probabilities renormalised,
-    times k; "qwen2_moe": the softmax probabilities over all experts (not renormalised), times N."""
-
-    def __init__(self, gate, up, down, router: torch.Tensor, scale: float, labels: torch.Tensor, top_k: int,
-                 fmt: str = "mixtral", shared_gate: float | None = None):
-        super().__init__()
-        self.gate, self.up, self.down = (torch.nn.Parameter(t.detach().float().clone()) for t in (gate, up, down))
-        self.routing = Routing(router, scale)  # a module of its own: its own FSDP2 group, always float32
-        self.register_buffer("labels", labels.clone())
-        self.top_k, self.fmt, self.shared_gate = top_k, fmt, shared_gate
-        self.dense_grad = False  # DenseMixer: the router's gradient as if every expert ran (forward unchanged)
-
-    @property
-    def router(self) -> torch.nn.Parameter:
-        return self.routing.router
-
-    @property
-    def log_scale(self) -> torch.nn.Parameter:
-        return self.routing.log_scale
-
-    def exported_router(self) -> torch.Tensor:
-        """The router rows the checkpoint stores (the scale folded in)."""
-        return (self.router * self.log_scale.exp()).detach()
-
-    def gates(self, x: torch.Tensor) -> torch.Tensor:
-        """(n, E + 1) weight of each expert for each token (0 when not chosen); the last column, the shared neurons,
-        is 1."""
-        n_exp = self.router.shape[0]
-        with torch.autocast(x.device.type, enabled=False):
-            logits = self.routing(x)
-            probs = logits.softmax(-1)
-            idx = logits.topk(self.top_k, dim=1).indices
-            if self.fmt == "mixtral":  # every expert's weight were it chosen: renormalised over the top-k, times k
-                w_all = probs / probs.gather(1, idx).sum(1, keepdim=True) * self.top_k
-            else:
-                w_all = probs * n_exp
-            g = torch.zeros(x.shape[0], n_exp + 1, device=x.device, dtype=w_all.dtype)
-            g = g.scatter(1, idx, w_all.gather(1, idx))
-            if self.dense_grad and torch.is_grad_enabled():
-                # straight-through: the value is the top-k gate, the gradient the dense one's, so the router learns
-                # which experts it should have chosen (the unchosen neurons are computed anyway: masked FFN)
-                g = g + F.pad(w_all - w_all.detach(), (0, 1))
-            shared = (torch.ones_like(g[:, :1]) if self.shared_gate is None else  # Qwen2-MoE: 2 sigmoid(c sum(x))
-                      2 * torch.sigmoid(self.shared_gate * x.float().sum(1, keepdim=True)))
-            return torch.cat([g[:, :n_exp], shared], 1)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        mask = self.gates(h.reshape(-1, h.shape[-1]))[:, self.labels]
-        # on h itself, not a flattened view of it: the output is then a tensor of its own, not a view (FSDP2 warns
-        # that an in-place op on a wrapped module's view output would skip its all-gather)
-        return masked_ffn(h, self.gate, self.up, self.down, mask.to(h.dtype).view(*h.shape[:-1], -1))
 
 
 def _kl_and_diff_eager(lt: torch.Tensor, ls: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -324,6 +257,28 @@ def accumulate_kl(teacher, student, batch: torch.Tensor, head: torch.Tensor, ctx
     return step_kl
 
 
+SHOW_EVERY = 1.0  # seconds between progress updates (each reads the train KL back from the device)
+
+
+def lr_scale(settings: DistillSettings) -> float:
+    """The factor of the step sizes for the run's batch: sqrt(batch_tokens / lr_reference_tokens) for a batch larger
+    than the reference (DistillSettings.lr_reference_tokens), 1 otherwise (the steps of small test batches as given)."""
+    return math.sqrt(max(settings.batch_tokens, settings.lr_reference_tokens) / settings.lr_reference_tokens)
+
+
+def moe_kernel(kernel: str, device: torch.device) -> str:
+    """The MoE block's kernel a run uses: "auto" is grouped on a GPU and masked on a CPU (measured there: the
+    grouped products gain where the active share is small, lose at 50%; BENCHMARKS.md), MOEIFY_MOE_KERNEL set to
+    masked or grouped overriding it. Blocks where the grouped kernel does not apply compute masked anyway."""
+    from .moe_block import KERNELS
+
+    if kernel == "auto":
+        kernel = os.environ.get("MOEIFY_MOE_KERNEL") or ("grouped" if torch.device(device).type == "cuda" else "masked")
+    if kernel not in KERNELS:
+        raise ValueError(f"moe kernel {kernel!r}: use one of {', '.join(KERNELS)} or auto")
+    return kernel
+
+
 _STEP_HOOK = None
 
 
@@ -400,8 +355,10 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
         p.requires_grad_(False)
     experts = [p for m in moes for p in (m.gate, m.up, m.down)]
     routers = [m.router for m in moes] if settings.train_router else []
+    kernel = moe_kernel(settings.moe_kernel, device)
     for m in moes:
         m.dense_grad = settings.train_router and settings.router_grad == "dense"
+        m.kernel = kernel
     temps = [m.log_scale for m in moes] if settings.train_router else []
     attention = attention_params(student) if settings.train_attention else []
     params = experts + routers + temps + attention
@@ -414,10 +371,11 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
         base_lrs = list(r_meta["base_lrs"])  # the step sizes of the run's start, not of the resumed weights
         for j, p in enumerate(params):
             assign(p, r_tensors[f"param.{j}"])
-    else:  # each tensor's step relative to its RMS at the start of the run; the temperatures' absolute
-        base_lrs = [rel * full(p.detach()).pow(2).mean().sqrt().item()
+    else:  # each tensor's step relative to its RMS at the start of the run; the temperatures' absolute; both scaled
+        scale = lr_scale(settings)  # to the batch (1 at lr_reference_tokens)
+        base_lrs = [rel * scale * full(p.detach()).pow(2).mean().sqrt().item()
                     for ps, rel in ((experts + routers, settings.lr), (attention, settings.attention_lr)) for p in ps]
-        base_lrs += [settings.temp_lr] if temps else []
+        base_lrs += [settings.temp_lr * scale] if temps else []
     n_single = len(experts) + len(routers) + len(attention)
     ordered = experts + routers + attention  # the single-tensor groups, in base_lrs order
     groups = [{"params": [p], "lr": lr} for p, lr in zip(ordered, base_lrs[:n_single])]
@@ -496,7 +454,7 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
         tensors.update(stream_t)
         meta = {"step": step, "total": total, "base_lrs": base_lrs, "param_groups": opt_state["param_groups"],
                 "stream": stream_m, "before": before, "best": best, "best_step": best_step,
-                "curve": [list(c) for c in curve], "ema": ema,
+                "curve": [list(c) for c in curve], "ema": None if ema is None else ema.item(),
                 "seconds": seconds_before + time.time() - t0 - hook_s,
                 "cpu_seconds": cpu_before + time.process_time() - cpu0 - hook_cpu}
         return tensors, meta
@@ -505,14 +463,20 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
         h0, hc0 = time.time(), time.process_time()
         _STEP_HOOK(student, 0, 0)
         hook_s, hook_cpu = time.time() - h0, time.process_time() - hc0
-    t_rate, done_rate = time.time(), done
+    t_rate, done_rate, shown = time.time(), done, 0.0
+    # the train KL's running mean stays on the device (float64: the arithmetic of the Python floats it replaced, so
+    # a resumed run's numbers are the same): the loop reads nothing back from a GPU between steps except when it
+    # shows progress (at most every SHOW_EVERY s; on a CPU, where nothing waits for it, every step), checks the
+    # held-out windows or saves a snapshot
+    on_gpu = torch.device(device).type == "cuda"
+    ema = None if ema is None else torch.tensor(ema, dtype=torch.float64, device=device)
     for step in range(done + 1, total + 1):
         for g, lr in zip(opt.param_groups, base_lrs):
             g["lr"] = lr * lr_at(step - 1)
         opt.zero_grad(set_to_none=True)
         idx = stream.take_indices(per_step)[par.rank::par.world]  # this rank's share of the step's windows
         step_kl = par.mean(accumulate_kl(teacher, student, train[idx], head, ctx, settings,
-                                         None if targets is None else [targets(int(i)) for i in idx])).item()
+                                         None if targets is None else [targets(int(i)) for i in idx])).double()
         opt.step()
         ema = step_kl if ema is None else 0.95 * ema + 0.05 * step_kl
         if step in checks:
@@ -521,16 +485,17 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
             if kl < best:
                 best, best_step = kl, step
                 keeper.keep(trainable(), step)
-        if progress:
-            rate = (step - done_rate) * per_step * seq / max(1e-9, time.time() - t_rate)
+        if progress and (not on_gpu or step == total or step in checks or time.time() - shown >= SHOW_EVERY):
+            shown = time.time()
+            rate = (step - done_rate) * per_step * seq / max(1e-9, shown - t_rate)
             progress("tuning", step * per_step * seq, total * per_step * seq,
-                     f"{rate:,.0f} tok/s, KL train {ema:.3f} held {curve[-1][1]:.3f}")
+                     f"{rate:,.0f} tok/s, KL train {ema.item():.3f} held {curve[-1][1]:.3f}")
         if _STEP_HOOK is not None:  # its time is not tuning time
             h0, hc0 = time.time(), time.process_time()
             _STEP_HOOK(student, step, step * per_step * seq)
             hook_s, hook_cpu = hook_s + time.time() - h0, hook_cpu + time.process_time() - hc0
         keeper.checkpoint(step, total, lambda step=step: snapshot(step))
-    train_kl = ema
+    train_kl = None if ema is None else ema.item()
     for m in moes:
         m.dense_grad = False
     opt = None  # the Adam state, before the kept weights are read back
@@ -549,7 +514,9 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
             "cpu_seconds": round(cpu_before + time.process_time() - cpu0 - hook_cpu, 1),
             "seconds_per_1k_tokens": round(1024 * seconds / tokens, 3), "bf16_autocast": bf16,
             "kl_logits": "bf16" if bf16 and settings.kl_logits == "autocast" else "float32",  # the training KL's
-            "router_trained": settings.train_router, "attention_trained": settings.train_attention}
+            "router_trained": settings.train_router, "attention_trained": settings.train_attention,
+            "batch_tokens": per_step * seq, "micro_windows": settings.micro_windows, "moe_kernel": kernel,
+            "lr_scale": round(lr_scale(settings), 4)}
 
 
 def share_frozen(teacher, student, train_attention: bool, lowp: torch.dtype | None = None,

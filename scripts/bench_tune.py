@@ -35,7 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from moeify import distill  # noqa: E402
-from moeify.distill import DistillSettings, MaskedMoE, accumulate_kl, final_hidden, share_frozen  # noqa: E402
+from moeify.distill import DistillSettings, accumulate_kl, final_hidden, share_frozen  # noqa: E402
+from moeify.moe_block import MaskedMoE  # noqa: E402
 from moeify.numerics import tuning_autocast  # noqa: E402
 from moeify.sampling import sample_text  # noqa: E402
 

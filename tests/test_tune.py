@@ -165,7 +165,7 @@ def _masked_moe_from_output(tmp_path, calib_model, fmt, **kw):
     from conftest import load
     from moeify.checkpoint import CheckpointReader
     from moeify.experts import unpermute_ffn
-    from moeify.distill import MaskedMoE
+    from moeify.moe_block import MaskedMoE
 
     n = 3 if kw.get("shared") else 4
     cfg = build_config(experts=n, top_k=2, gate_tolerance=0.5, format=fmt, **kw, **CALIB)
@@ -209,7 +209,8 @@ def test_distill_starts_at_the_carved_model_and_lowers_held_out_kl():
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from moeify.distill import DistillSettings, MaskedMoE, chunked_kl, distill, final_hidden
+    from moeify.distill import DistillSettings, chunked_kl, distill, final_hidden
+    from moeify.moe_block import MaskedMoE
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -342,7 +343,7 @@ def _tiny_teacher_student(seed=0):
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from moeify.distill import MaskedMoE
+    from moeify.moe_block import MaskedMoE
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -429,7 +430,8 @@ def test_dense_router_gradient_changes_the_gradient_not_the_model():
     """router_grad 'dense' (DenseMixer's straight-through router): the forward pass is bit-identical to top-k, but
     the router rows of experts no token chose get a gradient (with Mixtral's top-k renormalised weights they get
     none under 'topk'); outside training (no grad) nothing changes; a bad value is refused."""
-    from moeify.distill import DistillSettings, MaskedMoE, distill
+    from moeify.distill import DistillSettings, distill
+    from moeify.moe_block import MaskedMoE
 
     gen = torch.Generator().manual_seed(0)
     gate, up = torch.randn(64, 16, generator=gen), torch.randn(64, 16, generator=gen)

@@ -361,7 +361,8 @@ def test_memory_model_counts_what_tuning_holds(carved):
     """The memory model's teacher and student terms are the bytes of the tensors tuning really holds (its
     activation and KL terms are held against measured peaks in scripts/bench_memory.py, not here)."""
     from moeify.checkpoint import CheckpointReader
-    from moeify.distill import MaskedMoE, share_frozen
+    from moeify.distill import share_frozen
+    from moeify.moe_block import MaskedMoE
     from moeify.families import load_source
     from moeify.memory import source_tuning_memory
     from moeify.tune import build_student, read_output
@@ -761,13 +762,13 @@ def test_a_saved_state_is_written_one_tensor_at_a_time(tmp_path):
 def test_a_sharded_student_is_sharded_layer_by_layer_as_it_is_built(carved, monkeypatch):
     """Across processes each MaskedMoE is handed to FSDP2 as soon as it is built, so no rank holds the whole
     student's experts at once (a 70B student is 224 GB in float32)."""
-    import moeify.distill as distill_mod
+    import moeify.moe_block as moe_block_mod
     from moeify.checkpoint import CheckpointReader
     from moeify.tune import build_student, read_output
 
     built, seen = [], []
 
-    class Recorded(distill_mod.MaskedMoE):
+    class Recorded(moe_block_mod.MaskedMoE):
         def __init__(self, *args, **kw):
             super().__init__(*args, **kw)
             built.append(self)
@@ -776,7 +777,7 @@ def test_a_sharded_student_is_sharded_layer_by_layer_as_it_is_built(carved, monk
         seen.append((len(built), sum(getattr(m, "sharded", False) for m in built)))
         moe.sharded = True
 
-    monkeypatch.setattr(distill_mod, "MaskedMoE", Recorded)
+    monkeypatch.setattr(moe_block_mod, "MaskedMoE", Recorded)
     dense, carve = carved
     teacher = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
     reader = CheckpointReader(carve)

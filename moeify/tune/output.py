@@ -141,7 +141,7 @@ def write_tuned(base: BaseOutput, reader: CheckpointReader, student, tmp: Path, 
     trained, attention and norms) taken from the student, in the base's shard layout; config, tokenizer, and the
     base's report.json / moeify.toml with the tuning history."""
     from ..experts import ffn_output_tensors
-    from ..distill import MaskedMoE
+    from ..moe_block import MaskedMoE
 
     cfg, fmt = base.cfg, base.fmt
     layout = _base_layout(reader)

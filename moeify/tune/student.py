@@ -70,7 +70,7 @@ def build_student(teacher, base: BaseOutput, reader: CheckpointReader, device: s
     its own attention at the end (its MaskedMoE already a group). Returns (student, the layers whose attention an
     earlier run tuned)."""
     from ..experts import unpermute_ffn
-    from ..distill import MaskedMoE
+    from ..moe_block import MaskedMoE
 
     cfg, fmt = base.cfg, base.fmt
     student = _shallow(teacher)
