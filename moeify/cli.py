@@ -352,9 +352,8 @@ def tune(
     out: Path = typer.Argument(..., help="A moeify output (tuned or not); replaced by the tuned model when the run "
                                "ends."),
     tokens: Optional[int] = typer.Option(None, "--tokens", "--tune-tokens", help="Fresh tuning tokens of this run "
-                                         "(a short warm-up, then a cosine: --schedule). Quality keeps improving with tokens "
-                                         "(BENCHMARKS.md); about 7 CPU seconds per 1,024 tokens for a 135M model on "
-                                         "2 cores; use a GPU for 7B+."),
+                                         "(a warm-up, then a cosine: --schedule). Quality keeps improving with tokens "
+                                         "(BENCHMARKS.md); --dry-run says the time here; use a GPU for 7B+."),
     calib: Optional[list[Path]] = typer.Option(None, "--calib", help="Real tuning text (.txt/.jsonl; repeatable) "
                                                "[default: the text OUT was calibrated on, from its moeify.toml]."),
     tune_text: Optional[list[Path]] = typer.Option(None, "--tune-text", help="More real tuning text; repeatable "
@@ -374,6 +373,8 @@ def tune(
                                            "tuning: continue = the rest of one cosine over its earlier tuning tokens "
                                            "and these (a doubling starts at half the peak step); restart = a whole "
                                            "cosine from the peak [default: continue]."),
+    step_tokens: Optional[int] = typer.Option(None, "--step-tokens", help="Tokens a step (step sizes x sqrt(it / "
+                                              "1,024) above 1,024) [default: CPU 1,024; GPU tokens / 256, to 65,536]."),
     device: str = typer.Option("auto", help="auto (a GPU if there is one) | cpu | cuda."),
     resume: bool = typer.Option(False, "--resume", help="Continue the interrupted run saved in OUT.moeify-tune "
                                 "(its settings; flags that differ are refused)."),
@@ -399,16 +400,17 @@ def tune(
 
     Example: moeify tune path/to/Llama-3-8B out/llama-moe --tokens 1048576
     """
-    from .tune import TuneOptions, TuningInterrupted, tune_output
-    from .report import print_tuning
-
     import os
+
+    from .report import print_tuning
+    from .tune import TuneOptions, TuningInterrupted, tune_output
 
     rank = int(os.environ.get("RANK", "0"))
     given = {"tokens": tokens, "lr": lr, "generated": tune_generated,
              "calib": None if calib is None else tuple(str(f) for f in calib),
              "tune_text": None if tune_text is None else tuple(str(f) for f in tune_text),
-             "train_router": tune_router, "train_attention": tune_attention, "seed": seed, "schedule": schedule}
+             "train_router": tune_router, "train_attention": tune_attention, "seed": seed, "schedule": schedule,
+             "step_tokens": step_tokens}
     try:
         opts = None
         if not resume:

@@ -64,6 +64,8 @@ class DistillSettings:
     lr_reference_tokens: int = 1024  # lr and temp_lr are the steps of a batch of this many tokens; a larger batch
     # takes them times sqrt(batch_tokens / this) (Adam's square-root scaling rule: Malladi et al. 2022, "On the SDEs
     # and scaling rules for adaptive gradient algorithms"), so a GPU's fewer, larger steps move the weights as far
+    show_every: float = 1.0  # seconds between progress updates on a GPU (each reads the train KL back from it; 0:
+    # every step, as a timer of steps needs); a CPU's show every step
     moe_kernel: str = "auto"  # masked | grouped | auto (grouped on a GPU, masked on a CPU: moeify.moe_block;
     # MOEIFY_MOE_KERNEL overrides auto)
     warmup_steps: int = 5
@@ -241,6 +243,8 @@ def accumulate_kl(teacher, student, batch: torch.Tensor, head: torch.Tensor, ctx
     tensor (read with .item() only when it is shown or saved)."""
     device, step_kl = next(student.parameters()).device, None
     size = max(1, settings.micro_windows)
+    if device.type == "cuda":  # the step's windows copied once, without waiting for the GPU's queue
+        batch = batch.pin_memory().to(device, non_blocking=True)
     for m, micro in enumerate(batch.split(size)):
         micro = micro.to(device)
         kept = None if targets is None else targets[m * size:(m + 1) * size]
@@ -255,9 +259,6 @@ def accumulate_kl(teacher, student, batch: torch.Tensor, head: torch.Tensor, ctx
         loss.backward()
         step_kl = loss.detach() if step_kl is None else step_kl + loss.detach()
     return step_kl
-
-
-SHOW_EVERY = 1.0  # seconds between progress updates (each reads the train KL back from the device)
 
 
 def lr_scale(settings: DistillSettings) -> float:
@@ -381,7 +382,8 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
     groups = [{"params": [p], "lr": lr} for p, lr in zip(ordered, base_lrs[:n_single])]
     if temps:
         groups.append({"params": temps, "lr": base_lrs[-1]})
-    opt = torch.optim.Adam(groups, betas=(0.9, 0.99))
+    # one GPU: the fused Adam kernel (a step's ~100 small tensors in a few launches); elsewhere torch's default
+    opt = torch.optim.Adam(groups, betas=(0.9, 0.99), fused=True if device.type == "cuda" and not par.sharded else None)
     if resume is not None:
         by_index = [p for g in groups for p in g["params"]]  # the optimizer's own numbering of the parameters
 
@@ -466,7 +468,7 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
     t_rate, done_rate, shown = time.time(), done, 0.0
     # the train KL's running mean stays on the device (float64: the arithmetic of the Python floats it replaced, so
     # a resumed run's numbers are the same): the loop reads nothing back from a GPU between steps except when it
-    # shows progress (at most every SHOW_EVERY s; on a CPU, where nothing waits for it, every step), checks the
+    # shows progress (at most every settings.show_every s; on a CPU, where nothing waits, every step), checks the
     # held-out windows or saves a snapshot
     on_gpu = torch.device(device).type == "cuda"
     ema = None if ema is None else torch.tensor(ema, dtype=torch.float64, device=device)
@@ -485,7 +487,7 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
             if kl < best:
                 best, best_step = kl, step
                 keeper.keep(trainable(), step)
-        if progress and (not on_gpu or step == total or step in checks or time.time() - shown >= SHOW_EVERY):
+        if progress and (not on_gpu or step == total or step in checks or time.time() - shown >= settings.show_every):
             shown = time.time()
             rate = (step - done_rate) * per_step * seq / max(1e-9, shown - t_rate)
             progress("tuning", step * per_step * seq, total * per_step * seq,

@@ -15,8 +15,20 @@ would start past --budget-s is skipped, so a budgeted run always returns what it
 4. real tuning runs on the 8B-width shape plain and with `--offload` (FSDP2 CPU offload): s per 1,024 tokens, the
    run's peak GPU memory and the memory model's prediction for that run;
 5. the 50% preset's tokens -> quality curve on SmolLM2 (continued `moeify tune` runs, doubling the total up to
-   --curve-tokens, each scored by scripts/bench_curve.py on the held-out texts) -- only with the real weights
-   (--curve-only: this step alone, e.g. once scripts/device_carry.py has brought the model to a device machine).
+   --curve-tokens, or with --curve-points single runs of the given totals and the floor they approach fitted,
+   ratio = r_inf + c * tokens^-b; --mix-check: one more run with sampled text in place of repeated real text; each
+   scored by scripts/bench_curve.py on the held-out texts) -- only with the real weights (--curve-only: this step
+   alone, e.g. once scripts/device_carry.py has brought the model to a device machine).
+
+--speed-only (the speed rows of the GPU-speed issue, one call of a few minutes): for SmolLM2's shape and the 8B
+widths, the tuning step of a --speed-tokens run (`tune --dry-run`: its steps as the run sizes them) with each MoE
+kernel (MOEIFY_MOE_KERNEL masked / grouped), its sampling rate and MFU by its FLOPs (teacher forward 2N + student
+forward and backward 6N of the active weights), beside a dense bf16 training step of the same model at the same
+tokens a step (compiled, fused AdamW, SDPA; its MFU by 6N) and the ratio of their times a token.
+
+The device run of that issue, prepared: `--speed-only --offline` (no model to carry: SmolLM2's shape with synthetic
+weights, the speed does not depend on them), then, with the real model carried (scripts/device_carry.py),
+`--curve-only --curve-points 1048576,4194304,16777216 --mix-check 4194304 --budget-s 540`.
 
 Where the real SmolLM2 is absent and cannot be fetched (--offline; a device machine reaches no package index, and
 its 270 MB do not fit what a call carries), SmolLM2's shape is built with synthetic weights (speed and memory do
@@ -55,12 +67,12 @@ class Budget:
         return self.end - time.time()
 
 
-def moeify(budget: Budget, *args: str, json_out: bool = False) -> dict:
+def moeify(budget: Budget, *args: str, json_out: bool = False, env: dict | None = None) -> dict:
     cmd = [sys.executable, "-m", "moeify", *args]
     t0 = time.time()
     try:
         res = subprocess.run(cmd + (["--json", "-"] if json_out else []), capture_output=True, text=True, cwd=ROOT,
-                             timeout=max(10.0, budget.left()))
+                             timeout=max(10.0, budget.left()), env={**os.environ, **(env or {})})
     except subprocess.TimeoutExpired as e:
         raise RuntimeError(f"{' '.join(cmd)}: stopped at the time budget") from e
     if res.returncode:
@@ -105,6 +117,106 @@ def decode_speed(path: Path, device: str, dtype: torch.dtype, prompt: int, new: 
     return statistics.median(speeds)
 
 
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}  # dense, no sparsity
+
+
+def peak_flops(name: str) -> float | None:
+    """The GPU's dense bf16 peak (vendor figures, SXM parts) by its name, None when not in PEAK_BF16."""
+    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+
+
+def matmul_params(config: dict, active_ffn: float = 1.0) -> float:
+    """Weights a token multiplies through (attention, FFN x active_ffn, the head; not the embedding lookup)."""
+    h, L, f = config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"]
+    heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    hd = config.get("head_dim") or h // heads
+    attn = h * hd * (2 * heads + 2 * kv)
+    return L * (attn + 3 * h * f * active_ffn) + config["vocab_size"] * h
+
+
+def dense_step_speed(path: Path, device: str, step_tokens: int, seq: int, micro: int, steps: int) -> dict:
+    """A good dense training step of the same model at the same tokens a step, as the reference a tuning step is
+    measured against: float32 master weights under bf16 autocast (as tuning runs), SDPA attention, the model
+    compiled (torch.compile, on a GPU), fused AdamW, cross-entropy on next tokens, micro-batches of `micro` windows
+    accumulated. Tokens/s over `steps` steps after two warm-up steps (compilation), and MFU by the 6N rule."""
+    from transformers import AutoModelForCausalLM
+
+    cuda = device.startswith("cuda")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").to(device)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
+    fwd = torch.compile(model) if cuda else model
+    windows = max(1, step_tokens // seq)
+    ids = torch.randint(0, model.config.vocab_size, (windows, seq), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
+
+    def step() -> None:
+        for mb in ids.split(max(1, micro)):
+            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+                loss = fwd(input_ids=mb, labels=mb).loss * (mb.shape[0] / windows)
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(2):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    rate = windows * seq * steps / seconds
+    flops = 6 * matmul_params(model.config.to_dict())
+    peak = peak_flops(torch.cuda.get_device_name()) if cuda else None
+    del model, fwd, opt
+    if cuda:
+        torch.cuda.empty_cache()
+    return {"tokens_per_second": rate, "step_tokens": windows * seq, "micro_windows": micro, "steps": steps,
+            "seconds": seconds, "cpu_seconds": time.process_time() - c0, "flops_per_token": flops,
+            "mfu": flops * rate / peak if peak else None}
+
+
+def sampling_speed(path: Path, device: str, batch: int, seq: int, keep_hidden: bool) -> dict:
+    """Generated tokens/s of the dense model's own text as a tuning run samples it (moeify.sampling.sample_text:
+    windows of `seq` from 16-token prompts, a static KV cache, bf16 autocast on a GPU), one batch after a warm-up
+    batch (on a GPU generate() compiles the forward with CUDA graphs where no hidden states are kept). keep_hidden:
+    the teacher-pass path (the final hidden states kept, compilation off), else the teacher-in-the-loop one."""
+    from transformers import AutoModelForCausalLM
+
+    from moeify.sampling import sample_text
+
+    cuda = device.startswith("cuda")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    prompt = min(16, seq // 4)
+    prompts = torch.randint(0, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(0))
+    sample_text(model, prompts, seq - prompt, 0, batch=batch, keep_hidden=keep_hidden, bf16=cuda)  # warm-up
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    sample_text(model, prompts, seq - prompt, 1, batch=batch, keep_hidden=keep_hidden, bf16=cuda)
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    del model
+    if cuda:
+        torch.cuda.empty_cache()
+    return {"tokens_per_second": batch * (seq - prompt) / seconds, "batch": batch, "seq": seq, "seconds": seconds,
+            "keep_hidden": keep_hidden}
+
+
+def tuning_flops_per_token(dense_config: dict, moe_config: dict) -> float:
+    """A tuning step's useful arithmetic a token: the teacher's forward (2N of the dense model) and the student's
+    forward and backward (6N of its active weights: the share of FFN neurons a token uses)."""
+    f = dense_config["intermediate_size"]
+    shared = moe_config.get("shared_expert_intermediate_size") or 0
+    width = moe_config.get("moe_intermediate_size") or moe_config.get("intermediate_size")
+    active = (shared + moe_config["num_experts_per_tok"] * width) / f
+    return 2 * matmul_params(dense_config) + 6 * matmul_params(dense_config, active)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=ROOT / "models" / "smollm2-135m", help="the real SmolLM2-135M")
@@ -134,6 +246,16 @@ def main() -> None:
     ap.add_argument("--skip-1b", action="store_true", help="leave out the Llama-3.2-1B shape")
     ap.add_argument("--curve-only", action="store_true", help="only the 50%% carve of the real SmolLM2 and its curve "
                     "(a call after scripts/device_carry.py brought the model)")
+    ap.add_argument("--speed-tokens", type=int, default=16 * 2**20, help="the run the speed rows time (its steps: "
+                    "moeify.tune.sizing.step_size) [16M tokens: 65,536-token steps]")
+    ap.add_argument("--speed-only", action="store_true", help="only the speed rows: tuning step (masked and grouped "
+                    "kernels) beside a dense bf16 training step of the same model and tokens, sampling, MFU")
+    ap.add_argument("--curve-points", default=None, help="comma-separated token totals, each one run from the carve "
+                    "(e.g. 1048576,4194304,16777216; instead of --first-tokens/--curve-tokens doublings), then "
+                    "fitted: ratio = r_inf + c * tokens^-b")
+    ap.add_argument("--mix-check", type=int, default=0, help="also one run of this many tokens with "
+                    "--tune-generated 0.9 (sampled text in place of repeated real text), beside the curve's point "
+                    "of the same tokens")
     ap.add_argument("--quick", action="store_true", help="CI: tiny budgets, only --model")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -149,8 +271,8 @@ def main() -> None:
     results = {"device": torch.cuda.get_device_name() if cuda else "cpu",
                "device_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else None,
                "torch": torch.__version__, "transformers": transformers.__version__, "synthetic_smollm2": False,
-               "shapes": {}, "carve": {}, "tuning": {}, "decode": {}, "offload": {}, "curve": [], "errors": {},
-               "skipped": []}
+               "shapes": {}, "carve": {}, "tuning": {}, "decode": {}, "offload": {}, "speed": {}, "curve": [],
+               "curve_fit": {}, "errors": {}, "skipped": []}
 
     def save() -> None:
         if args.json:
@@ -267,6 +389,43 @@ def main() -> None:
         return (f"{run['seconds_per_1k_tokens']:.2f} s per 1,024 tokens, peak {run['peak_bytes'] / 1e9:.2f} GB, "
                 f"predicted {run['predicted_peak_bytes'] / 1e9:.2f} GB, wall {r['wall_s']:.0f} s")
 
+    # 0. speed: the tuning step with each MoE kernel beside a dense bf16 training step of the same tokens
+    def speed(name: str) -> str:
+        row = results["speed"].setdefault(name, {"tuning": {}})
+        dense_cfg = json.loads((shapes[name] / "config.json").read_text())
+        for preset in ("active-50", "active-25"):
+            if (name, preset) not in carves:
+                continue
+            moe_cfg = json.loads((carves[(name, preset)] / "config.json").read_text())
+            for kernel in ("masked", "grouped"):
+                est = moeify(budget, "tune", str(shapes[name]), str(carves[(name, preset)]), "--tokens",
+                             str(args.speed_tokens), "--dry-run", *dev, json_out=True, env={"MOEIFY_MOE_KERNEL": kernel})
+                flops = tuning_flops_per_token(dense_cfg, moe_cfg)
+                peak = peak_flops(results["device"]) if cuda else None
+                row["tuning"][f"{preset} {kernel}"] = {
+                    "tokens_per_second": est["tokens_per_second"], "step_tokens": est["step_tokens"],
+                    "micro_windows": est.get("micro_windows"), "teacher": est.get("teacher"),
+                    "peak_bytes": est["peak_bytes"], "sampling_tokens_per_second": 1024 / est["sampling_seconds_per_1k"],
+                    "sample_batch": est["sample_batch"], "flops_per_token": flops,
+                    "mfu": flops * est["tokens_per_second"] / peak if peak else None}
+                save()
+        first = next(iter(row["tuning"].values()))
+        report = json.loads((carves[(name, "active-50")] / "report.json").read_text())
+        seq = int(report.get("calibration", {}).get("seq_len") or 512)  # the tuning windows' length
+        row["dense"] = dense_step_speed(shapes[name], args.device, first["step_tokens"], seq,
+                                        first["micro_windows"] or 1, 1 if args.quick else 4)
+        for v in row["tuning"].values():  # time a token takes, tuning over dense
+            v["time_ratio_to_dense"] = row["dense"]["tokens_per_second"] / v["tokens_per_second"]
+        save()
+        batch, sseq = (2, 32) if args.quick else (first["sample_batch"], seq)
+        row["sampling"] = {("kept hidden" if keep else "inline"): sampling_speed(shapes[name], args.device, batch,
+                                                                                 sseq, keep)
+                           for keep in (False, True)}
+        save()
+        return ", ".join(f"{k} {v['tokens_per_second']:,.0f} tok/s ({v['time_ratio_to_dense']:.2f}x dense)"
+                         for k, v in row["tuning"].items()) + f"; dense {row['dense']['tokens_per_second']:,.0f} tok/s" \
+            + "; sampling " + ", ".join(f"{k} {v['tokens_per_second']:,.0f} tok/s" for k, v in row["sampling"].items())
+
     def carved(name: str, *presets: str) -> None:
         for preset in presets:
             if name in shapes:
@@ -281,6 +440,31 @@ def main() -> None:
     # carved, tuned (dry run), decoded, and the 8B widths tuned plain and offloaded; then SmolLM2; then the curve
     if args.curve_only and not real:
         raise SystemExit(f"--curve-only needs the real SmolLM2 at {args.model} (scripts/device_carry.py)")
+
+    def smollm2_shape() -> None:  # the real SmolLM2, or its shape with synthetic weights
+        if real:
+            shapes["smollm2-135m"] = args.model
+        else:
+            results["synthetic_smollm2"] = True
+            make("smollm2-135m", "smollm2-135m")
+
+    def finish() -> None:
+        results["seconds"] = time.time() - T0
+        save()
+        print(f"done in {results['seconds']:.0f} s; {len(results['errors'])} step(s) failed", flush=True)
+        sys.exit(1 if results["errors"] and args.quick else 0)
+
+    if args.speed_only:  # SmolLM2 (real or its shape) and the 8B widths: tuning step, dense step, sampling, MFU
+        smollm2_shape()
+        carved("smollm2-135m", "active-50", *(() if args.quick else ("active-25",)))
+        if ("smollm2-135m", "active-50") in carves:
+            step("speed smollm2-135m", speed, "smollm2-135m", need=60)
+        if not args.quick and args.layers_8b:
+            make(big, args.big_shape, "--layers", str(args.layers_8b))
+            carved(big, "active-50")
+            if (big, "active-50") in carves:
+                step(f"speed {big}", speed, big, need=60)
+        finish()
     if not (args.quick or args.skip_1b or args.curve_only):
         make("llama3.2-1b", "llama3.2-1b")
     if not (args.quick or args.curve_only) and args.layers_8b:
@@ -294,11 +478,7 @@ def main() -> None:
     if "llama3.2-1b" in shapes:
         step("decode llama3.2-1b", decode, "llama3.2-1b", need=40)
     offload_pair(big)
-    if real:
-        shapes["smollm2-135m"] = args.model
-    else:
-        results["synthetic_smollm2"] = True
-        make("smollm2-135m", "smollm2-135m")
+    smollm2_shape()
     carved("smollm2-135m", "active-50", *(() if args.curve_only else ("active-25",)))
     if ("smollm2-135m", "active-50") in carves and not args.curve_only:
         step("tune --dry-run smollm2-135m", dry, "smollm2-135m", need=40)
@@ -316,33 +496,64 @@ def main() -> None:
             subprocess.run(["rm", "-rf", str(curve_dir), f"{curve_dir}.moeify-tune"], check=True)
             subprocess.run(["cp", "-r", str(carves[("smollm2-135m", "active-50")]), str(curve_dir)], check=True)
 
-        total, run_tokens, leg_s = 0, args.first_tokens, None
-        while ((run_tokens if args.curve_single else total + run_tokens) <= max(args.curve_tokens, args.first_tokens)
-               and budget.left() > 30):
-            if leg_s is not None and leg_s * 2 > budget.left():
-                # a leg twice the last one's tokens would be stopped by the budget, and a stopped leg measures
-                # nothing: end here (the machine goes back sooner)
-                results["skipped"].append(f"curve leg of {run_tokens:,} tokens (~{leg_s * 2:.0f} s predicted, "
-                                          f"{budget.left():.0f} s left)")
-                break
+        def point(tokens: int, start_fresh: bool, *extra: str) -> dict:
+            """One run of `tokens` (from the carve, or continuing the last), scored on the held-out texts."""
             t0 = time.time()
-            if args.curve_single or leg_s is None:  # a single run starts from the carve, as the first leg does
+            if start_fresh:
                 fresh()
-            r = moeify(budget, "tune", str(args.model), str(curve_dir), "--tokens", str(run_tokens), *dev,
+            r = moeify(budget, "tune", str(args.model), str(curve_dir), "--tokens", str(tokens), *extra, *dev,
                        json_out=True)
-            total = run_tokens if args.curve_single else total + run_tokens
             script(budget, "bench_curve.py", str(args.model), str(curve_dir), "--eval-tokens", str(args.eval_tokens),
                    "--device", args.device, *(["--eval", *map(str, args.eval)] if args.eval else []),
                    "--json", str(args.work / "curve.json"), "--append")
-            leg_s = time.time() - t0
-            point = json.loads((args.work / "curve.json").read_text())["points"][-1]
+            ratio = json.loads((args.work / "curve.json").read_text())["points"][-1]["ratio"]
             run = r.get("tuning", {}).get("runs", [{}])[-1]
-            results["curve"].append({"tokens": total, "tune_wall_s": r["wall_s"], "leg_with_scoring_s": leg_s,
-                                     "ratio": point["ratio"], **{k: run.get(k) for k in (
-                                         "seconds_per_1k_tokens", "peak_bytes", "predicted_peak_bytes",
-                                         "holdout_kl_before", "holdout_kl_after", "train_kl_end")}})
-            print(f"curve: {total:,} tokens, ratio " + " ".join(f"{v:.3f}" for v in point["ratio"].values())
+            print(f"curve: {tokens:,} tokens {' '.join(extra)}, ratio " + " ".join(f"{v:.3f}" for v in ratio.values())
                   + f" ({r['wall_s']:.0f} s tuning)", flush=True)
+            return {"tokens": tokens, "tune_wall_s": r["wall_s"], "leg_with_scoring_s": time.time() - t0,
+                    "ratio": ratio, **{k: run.get(k) for k in (
+                        "seconds_per_1k_tokens", "peak_bytes", "predicted_peak_bytes", "holdout_kl_before",
+                        "holdout_kl_after", "train_kl_end", "batch_tokens", "micro_windows", "moe_kernel", "lr_scale",
+                        "teacher", "text")}}
+
+        def fits(tokens: int) -> bool:  # the next run's time from the last one's per token, with its scoring
+            last = results["curve"][-1] if results["curve"] else None
+            need = last["leg_with_scoring_s"] * tokens / last["tokens"] if last else 0.0
+            if need > budget.left():
+                results["skipped"].append(f"curve run of {tokens:,} tokens (~{need:.0f} s predicted, "
+                                          f"{budget.left():.0f} s left)")
+                return False
+            return True
+
+        if args.curve_points:  # single runs of the given totals, then the floor they approach
+            for tokens in sorted(int(t) for t in args.curve_points.split(",")):
+                if not fits(tokens):
+                    break
+                results["curve"].append(point(tokens, True))
+                save()
+            if args.mix_check and fits(args.mix_check):  # sampled text in place of repeated real text
+                results["mix"] = {"tokens": args.mix_check, "generated": 0.9,
+                                  **point(args.mix_check, True, "--tune-generated", "0.9")}
+                save()
+            sys.path.insert(0, str(ROOT / "scripts"))
+            from fit_tuning_curve import fit_asymptote
+
+            for text in (results["curve"][0]["ratio"] if results["curve"] else {}):
+                pts = [(p["tokens"], p["ratio"][text]) for p in results["curve"]]
+                if len({t for t, _ in pts}) >= 3:
+                    results["curve_fit"][text] = fit_asymptote(pts)
+            return f"{len(results['curve'])} points, fits: " + ", ".join(
+                f"{k} r_inf {v['r_inf']:.3f} b {v['b']:.2f}" for k, v in results["curve_fit"].items())
+        total, run_tokens = 0, args.first_tokens
+        while ((run_tokens if args.curve_single else total + run_tokens) <= max(args.curve_tokens, args.first_tokens)
+               and budget.left() > 30):
+            # a leg twice the last one's tokens that the budget would stop measures nothing: end here
+            if results["curve"] and not fits(2 * results["curve"][-1]["tokens"] if not args.curve_single
+                                             else run_tokens):
+                break
+            row = point(run_tokens, args.curve_single or not results["curve"])
+            total = run_tokens if args.curve_single else total + run_tokens
+            results["curve"].append({**row, "tokens": total})
             save()
             run_tokens = 2 * total if args.curve_single else total  # double the total
         return f"{len(results['curve'])} points"
@@ -352,10 +563,7 @@ def main() -> None:
     elif ("smollm2-135m", "active-50") in carves:
         (args.work / "curve.json").unlink(missing_ok=True)
         step("curve", curve, need=60)
-    results["seconds"] = time.time() - T0
-    save()
-    print(f"done in {results['seconds']:.0f} s; {len(results['errors'])} step(s) failed", flush=True)
-    sys.exit(1 if results["errors"] and args.quick else 0)
+    finish()
 
 
 if __name__ == "__main__":

@@ -31,6 +31,35 @@ def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     return math.exp(my - slope * mx), -slope
 
 
+def fit_asymptote(points: list[tuple[float, float]]) -> dict:
+    """ratio = r_inf + c * tokens^-b: a floor r_inf (>= 1, the dense model) that more tokens approach, fitted by
+    least squares: for each exponent b on a grid (0.02-2), (r_inf, c) are linear, solved in closed form (r_inf held
+    at 1 where the unconstrained floor falls below it); the b with the least squared error wins. Three points
+    determine it exactly: a planning number, not a law. Returns r_inf, c, b, the residual RMS and the ratio the fit
+    gives at 16M, 64M and 256M tokens."""
+    if len({t for t, _ in points}) < 3:
+        raise ValueError("the floor needs at least 3 distinct token counts")
+    best = None
+    for k in range(1, 101):
+        b = 0.02 * k
+        xs = [t ** -b for t, _ in points]
+        ys = [r for _, r in points]
+        n, sx, sy = len(xs), sum(xs), sum(ys)
+        sxx, sxy = sum(x * x for x in xs), sum(x * y for x, y in zip(xs, ys))
+        det = n * sxx - sx * sx
+        c = (n * sxy - sx * sy) / det if det else 0.0
+        r_inf = (sy - c * sx) / n
+        if r_inf < 1.0:  # the floor cannot be below dense
+            r_inf = 1.0
+            c = sum(x * (y - 1.0) for x, y in zip(xs, ys)) / sxx
+        sse = sum((r_inf + c * x - y) ** 2 for x, y in zip(xs, ys))
+        if best is None or sse < best[0]:
+            best = (sse, r_inf, c, b)
+    sse, r_inf, c, b = best
+    return {"r_inf": r_inf, "c": c, "b": b, "rms": math.sqrt(sse / len(points)),
+            "at": {str(t): r_inf + c * t ** -b for t in (16 << 20, 64 << 20, 256 << 20)}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("points", type=Path)

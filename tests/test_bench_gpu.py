@@ -79,3 +79,35 @@ def test_bench_gpu_curve_only_runs_the_curve_alone(tmp_path, tokenizer_dir):
                           "--curve-only", "--model", str(tmp_path / "absent")], capture_output=True, text=True,
                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert res.returncode == 1 and "--curve-only needs the real SmolLM2" in res.stderr
+
+
+def test_bench_gpu_speed_rows_and_curve_points_run_on_cpu(tmp_path, tokenizer_dir):
+    """--speed-only (tuning step per kernel beside a dense training step) and --curve-points with its fit."""
+    dense = build_dense(tmp_path / "dense", tokenizer_dir, num_hidden_layers=2, intermediate_size=128,
+                        initializer_range=0.3)
+    common = [sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--device", "cpu", "--quick", "--model",
+              str(dense), "--calib", str(CORPUS), "--eval", str(CORPUS), "--eval-tokens", "512"]
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    res = subprocess.run(common + ["--work", str(tmp_path / "w1"), "--speed-only", "--speed-tokens", "2048",
+                                   "--json", str(tmp_path / "speed.json")], capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-2000:]
+    out = json.loads((tmp_path / "speed.json").read_text())
+    assert out["errors"] == {}
+    speed = out["speed"]["smollm2-135m"]
+    assert set(speed["tuning"]) == {"active-50 masked", "active-50 grouped"}  # (--quick: the 50% preset only)
+    for row in speed["tuning"].values():
+        assert row["tokens_per_second"] > 0 and row["step_tokens"] == 1024 and row["time_ratio_to_dense"] > 0
+        assert row["sampling_tokens_per_second"] > 0 and row["flops_per_token"] > 0
+    assert speed["dense"]["tokens_per_second"] > 0 and speed["dense"]["step_tokens"] == 1024
+    assert {k: v["tokens_per_second"] > 0 for k, v in speed["sampling"].items()} == {"inline": True,
+                                                                                     "kept hidden": True}
+    res = subprocess.run(common + ["--work", str(tmp_path / "w2"), "--curve-only", "--curve-points",
+                                   "1024,2048,4096", "--mix-check", "2048", "--json", str(tmp_path / "curve.json")],
+                         capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-2000:]
+    out = json.loads((tmp_path / "curve.json").read_text())
+    assert out["errors"] == {} and [p["tokens"] for p in out["curve"]] == [1024, 2048, 4096]
+    assert out["mix"]["tokens"] == 2048 and out["mix"]["text"]["generated"]["windows"] > 0
+    fit = next(iter(out["curve_fit"].values()))
+    assert fit["r_inf"] >= 1.0 and 0 < fit["b"] <= 2 and set(fit["at"]) == {str(16 << 20), str(64 << 20),
+                                                                              str(256 << 20)}

@@ -10,7 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from fit_tuning_curve import fit  # noqa: E402
+from fit_tuning_curve import fit, fit_asymptote  # noqa: E402
 
 
 def test_fit_recovers_a_power_law_and_the_tokens_a_bar_needs(tmp_path):
@@ -37,3 +37,16 @@ def test_fit_recovers_a_power_law_and_the_tokens_a_bar_needs(tmp_path):
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "fit_tuning_curve.py"), str(f)],
                          capture_output=True, text=True)  # the default layout (fixed): none of these points
     assert res.returncode == 0 and len(res.stdout.splitlines()) == 1
+
+
+def test_fit_asymptote_recovers_a_floor_and_keeps_it_at_or_above_dense():
+    r_inf, c, b = 1.30, 0.9, 0.3
+    pts = [(t, r_inf + c * t ** -b) for t in (2 ** 20, 2 ** 22, 2 ** 24, 2 ** 25)]
+    f = fit_asymptote(pts)
+    assert f["r_inf"] == pytest.approx(r_inf, abs=1e-3) and f["b"] == pytest.approx(b, abs=0.011)
+    assert f["at"][str(64 << 20)] == pytest.approx(r_inf + c * (64 << 20) ** -b, abs=2e-3)
+    # three points whose exact floor would be 0.675, below the dense model: the floor is held at 1
+    g = fit_asymptote([(2 ** 18, 1.9), (2 ** 20, 1.55), (2 ** 22, 1.30)])
+    assert g["r_inf"] == 1.0 and g["c"] > 0 and g["rms"] < 0.05
+    with pytest.raises(ValueError, match="at least 3"):
+        fit_asymptote(pts[:2])

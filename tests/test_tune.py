@@ -202,25 +202,21 @@ def test_masked_moe_computes_what_the_exported_block_computes(tmp_path, calib_mo
     assert (gates[:, -1] == 1).all() if fmt == "mixtral" else (gates[:, -1] - 1).abs().max() < 0.5  # the weights really are not unit
 
 
-def test_distill_starts_at_the_carved_model_and_lowers_held_out_kl():
-    """Step 0 of the student is the carved model (log scale at the carve's scale), the KL is 0 for a student equal
-    to the teacher, and training lowers the held-out KL of a carved student."""
+def _tiny_student():
+    """A tiny random Llama teacher (large weights: its FFNs matter to the logits), a student whose every FFN is a
+    MaskedMoE of 4 experts of 16 neurons, top-2, near-uniform routing, and 24 windows of 32 random tokens."""
     import copy
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from moeify.distill import DistillSettings, chunked_kl, distill, final_hidden
     from moeify.moe_block import MaskedMoE
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                         initializer_range=0.3)  # large weights: the FFNs matter to the logits
+                         initializer_range=0.3)
     teacher = LlamaForCausalLM(config).eval()
     ids = torch.randint(0, 97, (24, 32), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        h = final_hidden(teacher, ids[:2])
-        assert chunked_kl(h, h, teacher.lm_head.weight, chunk=7).abs().item() < 1e-6
     student = copy.deepcopy(teacher)
     gen = torch.Generator().manual_seed(2)
     for layer in student.model.layers:
@@ -228,6 +224,18 @@ def test_distill_starts_at_the_carved_model_and_lowers_held_out_kl():
         labels = torch.arange(64) % 4
         router = torch.randn(4, 32, generator=gen)
         layer.mlp = MaskedMoE(mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, router, 1e-4, labels, 2)
+    return teacher, student, ids
+
+
+def test_distill_starts_at_the_carved_model_and_lowers_held_out_kl():
+    """Step 0 of the student is the carved model (log scale at the carve's scale), the KL is 0 for a student equal
+    to the teacher, and training lowers the held-out KL of a carved student."""
+    from moeify.distill import DistillSettings, chunked_kl, distill, final_hidden
+
+    teacher, student, ids = _tiny_student()
+    with torch.no_grad():
+        h = final_hidden(teacher, ids[:2])
+        assert chunked_kl(h, h, teacher.lm_head.weight, chunk=7).abs().item() < 1e-6
     settings = DistillSettings(tokens=20 * 64, batch_tokens=64, evals=4, autocast="off", lr=0.03)
     info = distill(teacher, student, ids[:20], ids[20:], settings)
     assert info["steps"] == 20 and info["tokens"] == 1280 and info["passes"] == 2.0

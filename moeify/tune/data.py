@@ -86,7 +86,8 @@ def real_windows(src_path: Path, sources, seq: int) -> tuple[torch.Tensor, torch
 
 
 def sampled_windows(teacher, real: torch.Tensor, n_windows: int, seed: int, folder: Path,
-                    progress: Progress | None, par=None, bf16: bool = False) -> tuple[torch.Tensor, int]:
+                    progress: Progress | None, par=None, bf16: bool = False, keep_hidden: bool = True
+                    ) -> tuple[torch.Tensor, int]:
     """n_windows of the dense model's own continuations of short prompts cut from the real text, sampled a batch
     at a time (sample_batch_for: 64 windows on a CPU, more on a GPU; chosen once and kept in folder/batch.json),
     each batch under its own seed and saved to `folder` as it is done (with the teacher's final hidden states at
@@ -94,7 +95,8 @@ def sampled_windows(teacher, real: torch.Tensor, n_windows: int, seed: int, fold
     at its next batch with the same text. Returns the windows and the batch size. Across processes, batch b is sampled by
     rank b mod world (the same text: each batch has its own seed). bf16: sample under bf16 autocast, as the teacher
     computes the real windows' targets (teacher_pass) when tuning runs under it: 20% less time a batch on an
-    AVX512-BF16 CPU, and its kept targets are as close to a float32 forward as the real windows' (BENCHMARKS.md)."""
+    AVX512-BF16 CPU, and its kept targets are as close to a float32 forward as the real windows' (BENCHMARKS.md).
+    keep_hidden False: only the windows (the teacher runs in the tuning loop: one GPU)."""
     from ..sampling import sample_text
     from ..parallel import Parallel
 
@@ -125,10 +127,12 @@ def sampled_windows(teacher, real: torch.Tensor, n_windows: int, seed: int, fold
             continue
         if mine:
             batch = prompts[b * size:(b + 1) * size]
-            windows, hidden = sample_text(teacher, batch, seq - n_prompt, seed * 100_003 + b, batch=size,
-                                          keep_hidden=True, bf16=bf16)
-            _atomic_save({"windows": windows.contiguous(), "hidden": hidden.contiguous()}, f)
-            del windows, hidden
+            sampled = sample_text(teacher, batch, seq - n_prompt, seed * 100_003 + b, batch=size,
+                                  keep_hidden=keep_hidden, bf16=bf16)
+            windows, hidden = sampled if keep_hidden else (sampled, None)
+            _atomic_save({"windows": windows.contiguous(), **({"hidden": hidden.contiguous()} if keep_hidden else {})},
+                         f)
+            del windows, hidden, sampled
             release_memory()  # the sampling's KV cache
         else:  # the sharded teacher gathers each layer from every rank: a rank with nothing to do runs as many
             sample_text(teacher, prompts[:1], seq - n_prompt, 0, batch=1, keep_hidden=True, bf16=bf16)  # 1 window
@@ -164,13 +168,14 @@ def drawn_windows(n_train: int, seed: int, per_step: int, steps: int) -> torch.T
 
 
 def tuning_data(root: Path, src_path: Path, base: BaseOutput, opts: TuneOptions, seq: int, seed: int, teacher,
-                progress: Progress | None, par=None, bf16: bool = False, real: tuple | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, dict, TeacherTargets | None]:
+                progress: Progress | None, par=None, bf16: bool = False, real: tuple | None = None,
+                keep_hidden: bool = True) -> tuple[torch.Tensor, torch.Tensor, dict, TeacherTargets | None]:
     """The run's tuning text, assembled once and saved in the state directory (a resumed run reads it back): every
     window of the real texts, and windows the dense model samples itself (opts.generated of the budget, never
     repeated; sampled under bf16 autocast when `bf16`, as tuning runs), a few of each held out for early stopping.
     real: real_windows' answer when the caller has read the texts already (to refuse bad ones before any work).
-    Returns (train, held out, description, the teacher's targets kept from sampling)."""
+    keep_hidden: keep the sampled windows' final hidden states (False: the teacher runs in the loop on them).
+    Returns (train, held out, description, the teacher's targets kept from sampling, or None)."""
     from ..parallel import Parallel
 
     par = par or Parallel()
@@ -182,12 +187,12 @@ def tuning_data(root: Path, src_path: Path, base: BaseOutput, opts: TuneOptions,
         if n_gen:
             n_hold_gen = min(2, max(1, n_gen // 10))
             sampled, size = sampled_windows(teacher, real, n_gen + n_hold_gen, seed, root / "sampled", progress, par,
-                                            bf16)
+                                            bf16, keep_hidden)
             train.append(sampled[n_hold_gen:])
             held_parts.append(sampled[:n_hold_gen])
             text["generated"] = {"windows": int(sampled.shape[0]), "held_out": n_hold_gen,
                                  "prompt_tokens": min(16, seq // 4), "first_train_window": int(real.shape[0]),
-                                 "sample_batch": size, "bf16_autocast": bf16}
+                                 "sample_batch": size, "bf16_autocast": bf16, "kept_targets": keep_hidden}
         train, held_out = torch.cat(train), torch.cat(held_parts)
         if held_out.shape[0] == 0:  # tiny texts: hold out the last training window rather than nothing
             held_out, train = train[-1:], train[:-1]
@@ -198,5 +203,5 @@ def tuning_data(root: Path, src_path: Path, base: BaseOutput, opts: TuneOptions,
     data, text = load_file(str(f)), json.loads((root / "data.json").read_text())
     gen = text.get("generated")
     targets = (TeacherTargets(root / "sampled", gen["first_train_window"], gen["held_out"], gen["sample_batch"])
-               if gen else None)
+               if gen and gen.get("kept_targets", True) else None)
     return data["train"], data["held_out"], text, targets

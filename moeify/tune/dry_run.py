@@ -15,7 +15,7 @@ from ..numerics import release_memory, resolve_device
 from .data import SAMPLE_BATCH, drawn_windows, real_windows, sample_batch_for, text_sources
 from .options import TuneOptions
 from .run import check_run
-from .sizing import fit_memory, peak_memory, predicted_memory
+from .sizing import fit_memory, peak_memory, predicted_memory, step_size
 from .student import tuning_student
 from .teacher import free_teacher_ffns, load_teacher
 
@@ -50,22 +50,26 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
     prompts = real[torch.arange(size) % real.shape[0], :n_prompt]  # fitted against the KV cache's length
     stamps: list = []  # the dynamic cache: its steps grow with the length, as the fit assumes (the run's static cache
     # is sized by the whole window, not by these 96 tokens, and is ~20% cheaper: the estimate errs high, not low)
-    settings = DistillSettings(tokens=steps * 1024, lr=opts.lr, train_router=opts.train_router,
-                               train_attention=opts.train_attention, evals=1)
+    step, micro = step_size(src, bo, opts, seq, dev, 1, bool(offload))  # as the run steps (GPU: its memory)
+    inline = dev.startswith("cuda")  # one GPU: the teacher runs in the loop (tune_output), no pass before it
+    settings = DistillSettings(tokens=steps * step, lr=opts.lr, train_router=opts.train_router,
+                               train_attention=opts.train_attention, evals=1, batch_tokens=step, micro_windows=micro,
+                               show_every=0.0)  # every step timed
     ctx, bf16 = tuning_autocast(dev, settings.autocast)
-    sample_text(teacher, prompts, new, 0, batch=size, keep_hidden=True, step_times=stamps, cache="dynamic",
+    sample_text(teacher, prompts, new, 0, batch=size, keep_hidden=not inline, step_times=stamps, cache="dynamic",
                 bf16=bf16)
     sampling_rate = sampling_seconds_per_token(stamps, n_prompt, seq) / size * 1024
     # the teacher pass over the windows these steps draw (timed), then the teacher's FFNs freed, as the run does
     held1 = held[:1] if len(held) else real[-1:]
-    drawn = drawn_windows(real.shape[0], settings.seed, max(1, settings.batch_tokens // seq), steps)
+    drawn = [] if inline else drawn_windows(real.shape[0], settings.seed, max(1, step // seq), steps)
     t0 = time.time()
     with torch.no_grad(), ctx:
         kept = {int(i): final_hidden(teacher, real[i:i + 1].to(dev)).float().cpu()[0] for i in drawn}
-        held_t = final_hidden(teacher, held1.to(dev)).float().cpu()
-    teacher_rate = (time.time() - t0) / ((len(drawn) + 1) * seq) * 1024
-    free_teacher_ffns(teacher, bo)
-    release_memory()
+        held_t = None if inline else final_hidden(teacher, held1.to(dev)).float().cpu()
+    teacher_rate = 0.0 if inline else (time.time() - t0) / ((len(drawn) + 1) * seq) * 1024
+    if not inline:
+        free_teacher_ffns(teacher, bo)
+        release_memory()
     par = Parallel(device=dev)
     if offload:
         from ..parallel import with_offload
@@ -84,7 +88,8 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
     per_step = max(1, settings.batch_tokens // seq) * seq
 
     def seconds_for(tokens: int) -> tuple[float, float, float, float]:
-        """(total, tuning steps, sampling, teacher pass) seconds of a run of `tokens` at these rates and settings."""
+        """(total, tuning steps, sampling, teacher pass) seconds of a run of `tokens` at these rates and settings
+        (a GPU run of more tokens takes larger steps, at least as fast a token: the estimate errs high)."""
         n_steps = -(-tokens // per_step)
         sampled = round(opts.generated * tokens / seq) * seq
         # the real windows the run is expected to draw at least once (draws uniform over real + sampled windows)
@@ -100,7 +105,7 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
     peak, what = peak_memory(dev)
     predicted = predicted_memory(src, bo, opts, seq, dev, settings, offload=offload, sample_batch=size)
     return {"sample_batch": size, "tokens": opts.tokens, "device": dev, "offload": bool(offload), "step_tokens": per_step,
-            "step_seconds": step_s,
+            "micro_windows": micro, "teacher": "inline" if inline else "pass", "step_seconds": step_s,
             "tokens_per_second": per_step / step_s, "steps": n_steps, "sampled_tokens": sampled,
             "sampling_seconds_per_1k": sampling_rate, "sampling_seconds": sampling_s,
             "tuning_seconds": tuning_s, "teacher_pass_seconds": teacher_s, "estimated_seconds": total_s,

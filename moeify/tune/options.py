@@ -29,6 +29,8 @@ class TuneOptions:
     seed: int | None = None  # None: the output's seed, moved on by the number of earlier runs (fresh text each run)
     schedule: str = "continue"  # continue: the step size follows one cosine over the output's earlier tuning tokens
     # and these (a doubling starts at half the peak and decays to 0); restart: a whole cosine from the peak
+    step_tokens: int | None = None  # tokens an optimizer step; None: the device's (moeify.tune.sizing.step_size),
+    # resolved when the run starts and recorded, so a resumed run steps alike
 
     def validate(self) -> None:
         if not isinstance(self.tokens, int) or isinstance(self.tokens, bool) or self.tokens < 1:
@@ -38,6 +40,10 @@ class TuneOptions:
         if not 0.0 <= self.generated < 1.0:
             raise MoeifyError(f"--tune-generated must be in [0, 1) (the share of tuning windows the dense model "
                               f"samples itself), got {self.generated}")
+        if self.step_tokens is not None and (not isinstance(self.step_tokens, int) or isinstance(self.step_tokens, bool)
+                                             or self.step_tokens < 1):
+            raise MoeifyError(f"--step-tokens must be a positive integer (tokens an optimizer step), got "
+                              f"{self.step_tokens!r}")
         if self.schedule not in SCHEDULES:
             raise MoeifyError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         for f in (*self.calib, *self.tune_text):
@@ -49,12 +55,13 @@ class TuneOptions:
         """The options a run recorded in its run.json (dataclasses.asdict of them; states saved before --schedule
         ran whole cosines). ValueError for a record that is not such options."""
         names = {f.name for f in dataclasses.fields(cls)}
-        values = {"schedule": "restart", **options}
+        values = {"schedule": "restart", "step_tokens": 1024, **options}  # (and steps of 1,024 tokens)
         if set(values) - names or "tokens" not in values:
             raise ValueError(f"options {sorted(set(values) - names) or ['tokens']} unknown or missing")
         opts = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
-        if not isinstance(opts.tokens, int) or opts.tokens < 1 or opts.schedule not in SCHEDULES:
-            raise ValueError("tokens or schedule invalid")
+        if (not isinstance(opts.tokens, int) or opts.tokens < 1 or opts.schedule not in SCHEDULES
+                or not isinstance(opts.step_tokens, int) or opts.step_tokens < 1):
+            raise ValueError("tokens, schedule or step_tokens invalid")
         return opts
 
     def schedule_from(self, prior_tokens: int) -> float:

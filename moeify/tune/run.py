@@ -21,9 +21,10 @@ from ..numerics import release_memory, resolve_device
 from .data import SAMPLE_BATCH, real_windows, text_sources, tuning_data
 from .options import Progress, TuneOptions
 from .output import BaseOutput, _check_written, _updated_report, check_source, read_output, write_tuned
-from .sizing import fit_memory, peak_memory, predicted_memory
+from .sizing import fit_memory, peak_memory, predicted_memory, step_size
 from .state import (SAVE_EVERY, STATE_VERSION, TuningState, _atomic_write, _lock, _stop_on_signal, base_fingerprint,
-                    check_resumable, describe_state, recorded_options, resume_command, source_fingerprint, state_dir)
+                    check_resumable, describe_state, read_run, recorded_options, resume_command, source_fingerprint,
+                    state_dir)
 from .student import gather_student, local_bytes, tuning_student
 from .teacher import free_teacher_ffns, load_teacher, teacher_pass
 
@@ -100,7 +101,7 @@ def check_run(src: Path, out: Path, opts: TuneOptions | None, *, resume: bool, r
 
 
 def begin_state(root: Path, src: Path, run: CheckedRun, *, resume: bool, restart: bool, seed: int, run_index: int,
-                world: int) -> None:
+                world: int, micro_windows: int = 1, teacher: str = "pass") -> None:
     """The state directory of a checked run (rank 0): locked, and for a new run, emptied of a restarted one (an
     interrupted convert's carve kept) and described in run.json."""
     if resume:
@@ -117,7 +118,8 @@ def begin_state(root: Path, src: Path, run: CheckedRun, *, resume: bool, restart
     _atomic_write(root / "run.json", json.dumps({
         "version": STATE_VERSION, "created": time.time(), "source": source_fingerprint(src),
         "base": "carved" if carved else "out", "base_fingerprint": base_fingerprint(run.base),
-        "options": dataclasses.asdict(run.opts), "seed": seed, "run_index": run_index, "world_size": world}).encode())
+        "options": dataclasses.asdict(run.opts), "seed": seed, "run_index": run_index, "world_size": world,
+        "micro_windows": micro_windows, "teacher": teacher}).encode())
 
 
 def discard_unworked_state(root: Path) -> None:
@@ -138,14 +140,16 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
                 restart: bool = False, device: str = "auto", save_every: float = SAVE_EVERY,
                 progress: Progress | None = None, notify: Callable[[str], None] | None = None,
                 base: Path | None = None, given: dict | None = None, memory_check: bool = True,
-                offload: bool | None = None, precompute_targets: bool = True) -> dict:
+                offload: bool | None = None, precompute_targets: bool | None = None) -> dict:
     """Tune the moeify output OUT (or `base`, the carve convert has just written) towards its dense source SRC and
     write the result to OUT all or nothing. Returns the new report.json.
 
     offload: keep the student's trainable tensors, gradients and optimizer state in host memory (FSDP2 CPU offload;
     moeify.parallel); None: when the GPU is too small otherwise and the offloaded run fits (moeify.memory).
-    precompute_targets: the teacher pass (teacher_pass) before tuning, the teacher's FFNs freed after it; False: the
-    teacher runs on the real windows inside the loop (the path before the teacher pass; kept for comparison).
+    precompute_targets: the teacher pass (teacher_pass) before tuning, the teacher's FFNs freed after it, and the
+    sampled windows' hidden states kept from sampling; False: the teacher runs on every window inside the loop
+    (nothing kept on disk: at 16M tokens the sampled text's would be 9.7 GB for SmolLM2, 69 GB at 8B); None: inline on one GPU (where the
+    teacher's forward costs a fraction of the student's step), the pass elsewhere. A resumed run keeps its own.
     resume: continue the interrupted run saved in OUT.moeify-tune (opts None: its own; `given`, the options the
     caller set explicitly, must agree with it). restart: discard such a state and start anew."""
     from ..parallel import setup
@@ -156,16 +160,26 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
     run = check_run(src, out, opts, resume=resume, restart=restart, base=base, given=given, world=par.world)
     check_free_space(out, sum(f.stat().st_size for f in run.base.glob("*.safetensors")), overwrite=True)
     offload = fit_memory(src, run.bo, run.opts, par, offload, memory_check, notify if par.main else None)
+    if resume:  # as the interrupted run stepped (states from before these were recorded: 1 window, a teacher pass)
+        recorded = read_run(root)
+        micro, teacher = int(recorded.get("micro_windows", 1)), recorded.get("teacher", "pass")
+    else:  # the device's step (recorded in the options), and on one GPU the teacher in the loop
+        step, micro = step_size(src, run.bo, run.opts, run.seq, par.device, par.world, bool(offload))
+        run = dataclasses.replace(run, opts=dataclasses.replace(run.opts, step_tokens=step))
+        teacher = "inline" if par.device.startswith("cuda") and not par.on else "pass"
+        if precompute_targets is not None:
+            teacher = "pass" if precompute_targets else "inline"
     run_index = len(run.bo.runs)
     seed = run.opts.seed if run.opts.seed is not None else run.bo.cfg.seed + 1000 * run_index
     par.barrier()  # every rank has checked the same files before rank 0 changes them
     if par.main:
-        begin_state(root, src, run, resume=resume, restart=restart, seed=seed, run_index=run_index, world=par.world)
+        begin_state(root, src, run, resume=resume, restart=restart, seed=seed, run_index=run_index, world=par.world,
+                    micro_windows=micro, teacher=teacher)
     par.barrier()
     try:
         return _tune(src, out, root, run, par, seed=seed, resume=resume, save_every=save_every,
                      progress=progress if par.main else None, notify=notify if par.main else None,
-                     offload=offload, precompute_targets=precompute_targets)
+                     offload=offload, micro_windows=micro, precompute_targets=teacher == "pass")
     except MoeifyError:
         if par.main and not resume:
             discard_unworked_state(root)
@@ -173,7 +187,7 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
 
 
 def _tune(src: Path, out: Path, root: Path, run: CheckedRun, par, *, seed: int, resume: bool, save_every: float,
-          progress: Progress | None, notify: Callable[[str], None] | None, offload: bool,
+          progress: Progress | None, notify: Callable[[str], None] | None, offload: bool, micro_windows: int,
           precompute_targets: bool) -> dict:
     """The run's work, once its inputs are checked and its state directory begun (tune_output)."""
     from ..distill import DistillSettings, distill
@@ -187,10 +201,13 @@ def _tune(src: Path, out: Path, root: Path, run: CheckedRun, par, *, seed: int, 
     teacher_bytes = local_bytes(teacher)
     schedule_from = opts.schedule_from(sum(int(r.get("tokens", 0)) for r in bo.runs))
     settings = DistillSettings(tokens=opts.tokens, lr=opts.lr, train_router=opts.train_router,
-                               train_attention=opts.train_attention, seed=seed, schedule_from=schedule_from)
+                               train_attention=opts.train_attention, seed=seed, schedule_from=schedule_from,
+                               batch_tokens=opts.step_tokens or DistillSettings.batch_tokens,
+                               micro_windows=micro_windows)
     bf16 = tuning_autocast(dev, settings.autocast)[1]
+    # with the teacher in the loop, the sampled windows' hidden states are not kept (it computes them there)
     train, held, text, targets = tuning_data(root, src, bo, opts, seq, seed, teacher, progress, par, bf16=bf16,
-                                             real=run.real)
+                                             real=run.real, keep_hidden=precompute_targets)
     held_targets = None
     if precompute_targets:
         targets, held_targets = teacher_pass(root, teacher, train, held, targets, settings, progress, par)
@@ -216,6 +233,7 @@ def _tune(src: Path, out: Path, root: Path, run: CheckedRun, par, *, seed: int, 
             par.close()
         raise
     info["offload"] = bool(offload)
+    info["teacher"] = "pass" if precompute_targets else "inline"  # its targets computed before the loop, or in it
     info["teacher_bytes"] = teacher_bytes  # this process's share of the teacher, as loaded (rank 0's)
     info["peak_bytes"], info["peak_what"] = peak_memory(dev)
     predicted = predicted_memory(src, bo, opts, seq, dev, world=par.world, offload=bool(offload),

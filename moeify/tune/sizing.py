@@ -1,5 +1,6 @@
 """Memory: whether a run fits the device (moeify.memory's model of it, said before anything loads), whether the
-student's state is offloaded to host memory, and the peak a run measured."""
+student's state is offloaded to host memory, how many tokens a step takes and how many windows a forward, and the
+peak a run measured."""
 
 from __future__ import annotations
 
@@ -32,6 +33,44 @@ def fit_memory(src: Path, bo: BaseOutput, opts: TuneOptions, par, offload: bool 
         check_fits(predicted_memory(src, bo, opts, seq, dev, world=par.world, offload=offload), dev, have,
                    load_source(src), bo.cfg.experts, len(bo.cfg.dense_layers), seq)
     return offload
+
+
+REFERENCE_STEP = 1024  # tokens a step on a CPU (where it is at its arithmetic limit at any batch), and the least
+MIN_STEPS = 256  # a GPU run's steps at least: its warm-up and cosine stay resolved at any budget (1M tokens: 4,096
+# a step; 16M: 65,536)
+MAX_STEP = 65536  # tokens a step at most: 64x the reference, its step sizes x 8 by the square-root rule (moeify.distill
+# .lr_scale), about as far as that rule has been checked (Malladi et al. 2022)
+MAX_MICRO = 512  # windows a forward + backward at most
+GPU_STEP_SHARE = 0.8  # of the GPU's memory a step's micro-batch may take by the memory model (it measured 6% low)
+
+
+def step_size(src: Path, bo: BaseOutput, opts: TuneOptions, seq: int, dev: str, world: int = 1,
+              offload: bool = False) -> tuple[int, int]:
+    """(tokens a step, windows a forward + backward on each process) of a new run. A CPU: --step-tokens or 1,024,
+    one window at a time (its arithmetic is the limit: a larger batch buys nothing; BENCHMARKS.md). A GPU: launch-
+    bound at small batches, so as many windows a forward as GPU_STEP_SHARE of its memory holds by the memory model
+    (up to MAX_MICRO), and --step-tokens or the run's tokens over MIN_STEPS (at least 1,024, at most MAX_STEP) a
+    step, a whole number of those forwards on every process."""
+    from ..distill import DistillSettings
+    from ..memory import device_memory
+
+    windows = max(1, (opts.step_tokens or REFERENCE_STEP) // seq)
+    if not dev.startswith("cuda"):
+        return opts.step_tokens or REFERENCE_STEP, 1
+    have = device_memory(dev)
+    fit = 1
+    while fit < MAX_MICRO and have is not None:
+        settings = DistillSettings(tokens=opts.tokens, micro_windows=2 * fit)
+        if predicted_memory(src, bo, opts, seq, dev, settings, world=world, offload=offload).peak > GPU_STEP_SHARE * have:
+            break
+        fit *= 2
+    if opts.step_tokens:
+        return opts.step_tokens, min(fit, max(1, windows // world))
+    target = min(MAX_STEP, max(REFERENCE_STEP, opts.tokens // MIN_STEPS))
+    per_rank = max(1, target // seq // world)
+    micro = min(fit, per_rank)
+    per_rank = per_rank // micro * micro
+    return per_rank * world * seq, micro
 
 
 def predicted_memory(src: Path, bo: BaseOutput, opts: TuneOptions, seq: int, dev: str, settings=None, world: int = 1,

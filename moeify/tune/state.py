@@ -320,6 +320,10 @@ def read_run(root: Path) -> dict:
             raise _damaged(f, f"no valid {key!r}")
     if run["base"] not in ("carved", "out"):
         raise _damaged(f, f"base {run['base']!r} is neither 'carved' nor 'out'")
+    micro = run.get("micro_windows", 1)
+    if not isinstance(micro, int) or isinstance(micro, bool) or micro < 1 or run.get("teacher", "pass") not in (
+            "pass", "inline"):
+        raise _damaged(f, "no valid micro_windows or teacher")
     return run
 
 

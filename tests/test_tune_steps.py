@@ -1,0 +1,155 @@
+"""The tuning step at a GPU's size, checked on the CPU: how a run sizes its steps (moeify.tune.sizing.step_size),
+that one large step trains what the same tokens as accumulated micro-batches train, that the grouped and masked
+MoE kernels train alike, and that runs with large steps, micro-batches of several windows and the teacher in the
+loop resume bit-identically from what run.json recorded."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from moeify.errors import MoeifyError
+from moeify.tune import TuneOptions, TuningInterrupted, read_output, state_dir, tune_output
+from moeify.tune.sizing import MAX_STEP, REFERENCE_STEP, step_size
+from test_tune_stage import _assert_identical, _copy, _interrupt_at, carved  # noqa: F401 (carved: a fixture)
+
+SEQ = 64  # the carve's windows
+
+
+def _gpu_with(monkeypatch, have: float) -> None:
+    import moeify.memory as memory
+
+    monkeypatch.setattr(memory, "device_memory", lambda dev: int(have) if dev.startswith("cuda") else 24 << 30)
+
+
+def test_a_cpu_steps_1024_tokens_one_window_at_a_time(carved):
+    dense, carve = carved
+    bo = read_output(carve)
+    assert step_size(dense, bo, TuneOptions(tokens=16 << 20), SEQ, "cpu") == (REFERENCE_STEP, 1)
+    assert step_size(dense, bo, TuneOptions(tokens=1 << 20, step_tokens=4096), SEQ, "cpu") == (4096, 1)
+
+
+def test_a_gpu_step_is_the_tokens_over_256_and_its_forward_as_large_as_memory_allows(carved, monkeypatch):
+    dense, carve = carved
+    bo = read_output(carve)
+    _gpu_with(monkeypatch, 80e9)  # the tiny model: every micro-batch fits
+    assert step_size(dense, bo, TuneOptions(tokens=1 << 20), SEQ, "cuda") == (4096, 4096 // SEQ)
+    assert step_size(dense, bo, TuneOptions(tokens=16 << 20), SEQ, "cuda") == (MAX_STEP, 512)  # MAX_MICRO windows
+    assert step_size(dense, bo, TuneOptions(tokens=64 << 20), SEQ, "cuda") == (MAX_STEP, 512)  # capped
+    assert step_size(dense, bo, TuneOptions(tokens=65536), SEQ, "cuda") == (REFERENCE_STEP, REFERENCE_STEP // SEQ)
+    assert step_size(dense, bo, TuneOptions(tokens=1 << 20), SEQ, "cuda", world=2) == (4096, 4096 // SEQ // 2)
+    assert step_size(dense, bo, TuneOptions(tokens=1 << 20, step_tokens=2048), SEQ, "cuda") == (2048, 32)
+
+    from moeify.distill import DistillSettings
+    from moeify.tune.sizing import GPU_STEP_SHARE, predicted_memory
+
+    opts = TuneOptions(tokens=16 << 20)
+    peak = {m: predicted_memory(dense, bo, opts, SEQ, "cuda", DistillSettings(tokens=1, micro_windows=m)).peak
+            for m in (8, 16)}
+    _gpu_with(monkeypatch, (peak[8] + peak[16]) / 2 / GPU_STEP_SHARE)  # 8 windows a forward fit, 16 do not
+    step, micro = step_size(dense, bo, opts, SEQ, "cuda")
+    assert micro == 8 and step == MAX_STEP and (step // SEQ) % micro == 0
+
+
+def test_one_large_step_trains_what_accumulated_micro_batches_train():
+    """A step of 8 windows as one forward + backward, or as 8 accumulated ones: the same gradients (float32, to
+    1e-5 of their size) and, over a run of 6 such steps, the same weights (to 1e-4 of what tuning moved them)."""
+    from test_tune import _tiny_student
+
+    from moeify.distill import DistillSettings, accumulate_kl, distill
+
+    teacher, student, ids = _tiny_student()
+    head = student.lm_head.weight
+    grads = []
+    for micro in (8, 1):
+        student.zero_grad(set_to_none=True)
+        for p in student.parameters():
+            p.requires_grad_(True)
+        kl = accumulate_kl(teacher, student, ids[:8], head, torch.autocast("cpu", enabled=False),
+                           DistillSettings(tokens=1, micro_windows=micro))
+        grads.append(({n: p.grad.clone() for n, p in student.named_parameters() if p.grad is not None}, kl.item()))
+    (g8, kl8), (g1, kl1) = grads
+    assert kl8 == pytest.approx(kl1, rel=1e-5) and g8.keys() == g1.keys() and len(g8) > 0
+    for n in g8:
+        assert (g8[n] - g1[n]).norm() <= 1e-5 * g1[n].norm() + 1e-12, n
+
+    runs = []
+    for micro in (8, 1):
+        teacher, student, ids = _tiny_student()
+        start = {n: p.detach().clone() for n, p in student.named_parameters()}
+        info = distill(teacher, student, ids[:20], ids[20:], DistillSettings(
+            tokens=6 * 8 * ids.shape[1], batch_tokens=8 * ids.shape[1], micro_windows=micro, autocast="off",
+            lr=0.03, evals=2))
+        runs.append(({n: p.detach().clone() for n, p in student.named_parameters()}, info))
+    (w8, i8), (w1, i1) = runs
+    assert i8["steps"] == i1["steps"] == 6 and i8["micro_windows"] == 8
+    moved = max((w1[n] - start[n]).abs().max().item() for n in w1)
+    assert moved > 1e-3
+    for n in w8:
+        assert (w8[n] - w1[n]).abs().max().item() <= 1e-4 * moved, n
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no torch._grouped_mm")
+def test_grouped_and_masked_kernels_train_alike_under_bf16():
+    """The same run under bf16 autocast with the grouped kernel and with the masked one: the held-out KL along the
+    run within 1%, and the weights nearer each other than bf16 training is to float32 training (measured: 10% of
+    what tuning moved them, against 27%: the kernels differ by bf16 rounding, carried by Adam's steps)."""
+    from test_tune import _tiny_student
+
+    from moeify.distill import DistillSettings, distill
+
+    runs = {}
+    for kernel, autocast in (("grouped", "bf16"), ("masked", "bf16"), ("masked", "off")):
+        teacher, student, ids = _tiny_student()
+        start = torch.cat([p.detach().flatten() for p in student.parameters()])
+        info = distill(teacher, student, ids[:20], ids[20:], DistillSettings(
+            tokens=8 * 4 * ids.shape[1], batch_tokens=4 * ids.shape[1], micro_windows=4, autocast=autocast,
+            lr=0.03, evals=2, moe_kernel=kernel))
+        runs[kernel, autocast] = (torch.cat([p.detach().flatten() for p in student.parameters()]), info)
+    (wg, ig), (wm, im), (w32, _) = runs["grouped", "bf16"], runs["masked", "bf16"], runs["masked", "off"]
+    assert ig["moe_kernel"] == "grouped" and im["moe_kernel"] == "masked"
+    assert ig["holdout_kl_after"] < 0.9 * ig["holdout_kl_before"]
+    for (_, kg), (_, km) in zip(ig["holdout_curve"], im["holdout_curve"]):
+        assert kg == pytest.approx(km, rel=0.01)
+    moved = (wm - start).norm()
+    assert (wg - wm).norm() / moved < 0.6 * (wm - w32).norm() / moved
+
+
+def test_a_run_with_large_steps_and_the_teacher_in_the_loop_resumes_bit_identically(carved, tmp_path, monkeypatch):
+    """A run sized as a GPU sizes it (here: 2,048-token steps of 4-window forwards, the teacher in the loop, no
+    sampled hidden states kept) records its step in run.json; interrupted and resumed it ends with the weights of
+    the uninterrupted run, though the resumed process would size its steps otherwise."""
+    import moeify.tune.run as run_mod
+
+    monkeypatch.setattr(run_mod, "step_size", lambda *a, **k: (2048, 4))
+    dense, carve = carved
+    a, b = _copy(carve, tmp_path / "a"), _copy(carve, tmp_path / "b")
+    opts = TuneOptions(tokens=6 * 2048, generated=0.25, lr=0.02)
+    whole = tune_output(dense, a, opts, precompute_targets=False)["tuning"]["runs"][0]
+    assert (whole["batch_tokens"], whole["micro_windows"], whole["teacher"], whole["steps"]) == (2048, 4, "inline", 6)
+    assert whole["lr_scale"] == pytest.approx(2 ** 0.5, abs=1e-4)
+    with pytest.raises(TuningInterrupted) as stop:
+        tune_output(dense, b, opts, progress=_interrupt_at(3 * 2048), precompute_targets=False)
+    assert stop.value.step == 3
+    root = state_dir(b)
+    run = json.loads((root / "run.json").read_text())
+    assert (run["options"]["step_tokens"], run["micro_windows"], run["teacher"]) == (2048, 4, "inline")
+    for f in root.glob("sampled/batch-*.safetensors"):
+        with safe_open(str(f), "pt") as h:
+            assert set(h.keys()) == {"windows"}  # the teacher computes their targets in the loop
+    assert not any(root.glob("targets/batch-*"))
+    monkeypatch.setattr(run_mod, "step_size", lambda *a, **k: pytest.fail("a resumed run steps as recorded"))
+    with pytest.raises(MoeifyError, match="step_tokens = 2048"):
+        tune_output(dense, b, None, resume=True, given={"step_tokens": 1024})
+    resumed = tune_output(dense, b, None, resume=True)["tuning"]["runs"][0]
+    _assert_identical(a, b)
+    assert resumed["holdout_curve"] == whole["holdout_curve"] and resumed["train_kl_end"] == whole["train_kl_end"]
+
+
+def test_step_tokens_refused_when_not_a_positive_integer_and_old_records_step_1024():
+    with pytest.raises(MoeifyError, match="--step-tokens must be a positive integer"):
+        TuneOptions(tokens=1024, step_tokens=0).validate()
+    assert TuneOptions.from_record({"tokens": 4096}).step_tokens == 1024  # a state saved before steps were sized
