@@ -216,6 +216,9 @@ def print_tuning(console: Console, report: dict, header: bool = True, estimate: 
         t.add_column("", justify="right")
         t.add_row("tuning step", f"{e['step_seconds']:.2f} s per {e['step_tokens']:,} tokens "
                   f"({e['tokens_per_second']:,.0f} tok/s)")
+        if e.get("micro_windows"):
+            t.add_row("step layout", f"{e['micro_windows']:,} window(s) a forward; teacher "
+                      + ("in the loop" if e.get("teacher") == "inline" else "pass before the loop"))
         t.add_row("sampling", f"{e['sampled_tokens']:,} tokens, {e['sampling_seconds_per_1k']:.2f} s per 1,024"
                   + (f", {e['sample_batch']:,} windows at once" if e.get("sample_batch") else ""))
         t.add_row("estimated time", f"{_duration(e['estimated_seconds'])} (sampling "
@@ -241,7 +244,9 @@ def print_tuning(console: Console, report: dict, header: bool = True, estimate: 
     console.print(f"tuned on {run['tokens']:,} tokens ({run['steps']} steps, {run['passes']:.2f} passes over "
                   f"{run['train_windows']} windows) in {run['seconds']:.0f}s ({run['seconds_per_1k_tokens']:.2f} s per "
                   f"1,024 tokens): held-out KL to dense {run['holdout_kl_before']:.3f} → {run['holdout_kl_after']:.3f} "
-                  f"(training {run['train_kl_end']:.3f})", soft_wrap=True)
+                  f"(training {run['train_kl_end']:.3f})"
+                  + (f"; steps of {run['batch_tokens']:,} tokens, step sizes x {run['lr_scale']:g}"
+                     if run.get("lr_scale", 1) != 1 else ""), soft_wrap=True)
     if len(runs) > 1:
         console.print(f"in all: {history['tokens']:,} tuning tokens over {len(runs)} runs, "
                       f"{_duration(history['seconds'])}", soft_wrap=True)

@@ -8,6 +8,7 @@ stage samples it a batch at a time (moeify.tune.data) and moeify.distill trains 
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -71,8 +72,10 @@ def sample_text(model, prompts: torch.Tensor, new_tokens: int, seed: int, batch:
                                      top_k=0, top_p=1.0, max_new_tokens=n, min_new_tokens=n,
                                      pad_token_id=0, eos_token_id=None,
                                      # on CUDA a static cache makes generate compile the forward with CUDA graphs,
-                                     # whose outputs (the hidden states the hook keeps) the next step overwrites
-                                     **({"disable_compile": True} if keep_hidden else {}),
+                                     # whose outputs (the hidden states the hook keeps) the next step overwrites;
+                                     # MOEIFY_COMPILE=0 turns compiling off here too
+                                     **({"disable_compile": True} if keep_hidden
+                                        or os.environ.get("MOEIFY_COMPILE", "1") == "0" else {}),
                                      **({"cache_implementation": "static"} if cache == "static" else {}),
                                      **({"stopping_criteria": _step_clock(step_times)} if step_times is not None else {}))
             outs.append(out[:, : p.shape[1] + new_tokens].cpu())
