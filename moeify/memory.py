@@ -6,7 +6,8 @@ What the tune stage (`moeify/tune/`) holds while it tunes (moeify.distill; every
   split across the processes, gathered one group at a time for each forward (two at once: the one computing and
   the one fetched next), while the embeddings, output head and norms are whole on every process;
 - before tuning the teacher pass has computed every target, and the carved layers' FFNs of the teacher are freed
-  (`teacher_freed`): on a GPU, and across processes; in one process on a CPU the freed weights are pages of the
+  (`teacher_freed`): on a GPU, and across processes (with the teacher in the loop instead, `teacher_inline`, one
+  GPU: its FFNs stay, in bf16 under autocast); in one process on a CPU the freed weights are pages of the
   memory-mapped safetensors file, which stays mapped while the rest of the teacher uses it (measured: RSS
   unchanged). Under bf16 autocast in one process the FFNs of layers kept dense are stored in bf16 (share_frozen:
   autocast casts them at every call anyway): half of them freed on a GPU, a bf16 copy beside the mapped file on a
@@ -94,7 +95,8 @@ def sampling_bytes_per_window(*, seq: int, n_layers: int, kv_heads: int, head_di
 def tuning_memory(*, hidden: int, d_ff: int, n_layers: int, heads: int, kv_heads: int, head_dim: int, vocab: int,
                   tied: bool, experts: int, dense_layers: int = 0, seq: int = 512, micro_windows: int = 1,
                   kl_chunk: int = 256, sample_batch: int = 64, bf16: bool = False, train_attention: bool = False,
-                  device: str = "cpu", world: int = 1, offload: bool = False) -> TuneMemory:
+                  device: str = "cpu", world: int = 1, offload: bool = False,
+                  teacher_inline: bool = False) -> TuneMemory:
     """Predicted bytes of each part of a tuning run (see the module docstring), per process: across `world`
     processes (torchrun, moeify.parallel) FSDP2 shards the teacher's decoder layers and the student's trainable
     tensors, gradients and Adam moments; every process holds the embeddings, head and norms and one window's
@@ -111,7 +113,9 @@ def tuning_memory(*, hidden: int, d_ff: int, n_layers: int, heads: int, kv_heads
         freed = -(-4 * carved * ffn // world)
     else:
         teacher = 4 * (embed + L * attn + L * ffn)
-        if device != "cpu":
+        if device != "cpu" and teacher_inline:  # the teacher runs in the loop: its FFNs are kept, in bf16 under
+            freed = 2 * L * ffn if bf16 else 0  # autocast (share_frozen), half of what was loaded
+        elif device != "cpu":
             freed = 4 * carved * ffn + (2 * dense_layers * ffn if bf16 else 0)
         else:  # mapped pages stay; bf16 copies of the dense layers' FFNs come beside them
             freed = -(2 * dense_layers * ffn if bf16 else 0)

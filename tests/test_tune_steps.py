@@ -153,3 +153,29 @@ def test_step_tokens_refused_when_not_a_positive_integer_and_old_records_step_10
     with pytest.raises(MoeifyError, match="--step-tokens must be a positive integer"):
         TuneOptions(tokens=1024, step_tokens=0).validate()
     assert TuneOptions.from_record({"tokens": 4096}).step_tokens == 1024  # a state saved before steps were sized
+
+
+def test_the_teacher_runs_in_the_loop_only_on_one_gpu_with_room_for_its_ffns(carved, monkeypatch):
+    """The teacher in the loop keeps its FFNs (bf16 under autocast) beside the student: the memory model counts
+    them, and a run takes the teacher pass instead where they would not fit, across processes, offloaded, or on a
+    CPU."""
+    from moeify.tune.sizing import predicted_memory, teacher_inline
+
+    dense, carve = carved
+    bo, opts = read_output(carve), TuneOptions(tokens=1 << 20)
+    inline = predicted_memory(dense, bo, opts, SEQ, "cuda", inline=True)
+    passed = predicted_memory(dense, bo, opts, SEQ, "cuda")
+    assert inline.tuning_peak > passed.tuning_peak and inline.teacher_freed < passed.teacher_freed
+    _gpu_with(monkeypatch, 80e9)
+    assert teacher_inline(dense, bo, opts, SEQ, "cuda")
+    assert not teacher_inline(dense, bo, opts, SEQ, "cuda", world=2)
+    assert not teacher_inline(dense, bo, opts, SEQ, "cuda", offload=True)
+    assert not teacher_inline(dense, bo, opts, SEQ, "cpu")
+    import moeify.tune.sizing as sizing  # a GPU with room for the pass's run and not the loop's (the tiny model's
+    # peak is its sampling, the same either way: the decision is checked against a stand-in model)
+    monkeypatch.setattr(sizing, "predicted_memory", lambda *a, inline=False, **k: type("M", (), {
+        "peak": 2 * passed.tuning_peak if inline else passed.tuning_peak})())
+    _gpu_with(monkeypatch, 1.5 * passed.tuning_peak)
+    assert not teacher_inline(dense, bo, opts, SEQ, "cuda")
+    _gpu_with(monkeypatch, 2 * passed.tuning_peak)
+    assert teacher_inline(dense, bo, opts, SEQ, "cuda")

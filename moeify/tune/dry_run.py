@@ -15,7 +15,7 @@ from ..numerics import release_memory, resolve_device
 from .data import SAMPLE_BATCH, drawn_windows, real_windows, sample_batch_for, text_sources
 from .options import TuneOptions
 from .run import check_run
-from .sizing import fit_memory, peak_memory, predicted_memory, step_size
+from .sizing import fit_memory, peak_memory, predicted_memory, step_size, teacher_inline
 from .student import tuning_student
 from .teacher import free_teacher_ffns, load_teacher
 
@@ -50,8 +50,8 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
     prompts = real[torch.arange(size) % real.shape[0], :n_prompt]  # fitted against the KV cache's length
     stamps: list = []  # the dynamic cache: its steps grow with the length, as the fit assumes (the run's static cache
     # is sized by the whole window, not by these 96 tokens, and is ~20% cheaper: the estimate errs high, not low)
-    step, micro = step_size(src, bo, opts, seq, dev, 1, bool(offload))  # as the run steps (GPU: its memory)
-    inline = dev.startswith("cuda")  # one GPU: the teacher runs in the loop (tune_output), no pass before it
+    inline = teacher_inline(src, bo, opts, seq, dev, 1, bool(offload))  # as the run decides (tune_output)
+    step, micro = step_size(src, bo, opts, seq, dev, 1, bool(offload), inline)  # as the run steps (GPU: memory)
     settings = DistillSettings(tokens=steps * step, lr=opts.lr, train_router=opts.train_router,
                                train_attention=opts.train_attention, evals=1, batch_tokens=step, micro_windows=micro,
                                show_every=0.0)  # every step timed
@@ -103,7 +103,7 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
     n_steps = -(-opts.tokens // per_step)
     sampled = round(opts.generated * opts.tokens / seq) * seq
     peak, what = peak_memory(dev)
-    predicted = predicted_memory(src, bo, opts, seq, dev, settings, offload=offload, sample_batch=size)
+    predicted = predicted_memory(src, bo, opts, seq, dev, settings, offload=offload, sample_batch=size, inline=inline)
     return {"sample_batch": size, "tokens": opts.tokens, "device": dev, "offload": bool(offload), "step_tokens": per_step,
             "micro_windows": micro, "teacher": "inline" if inline else "pass", "step_seconds": step_s,
             "tokens_per_second": per_step / step_s, "steps": n_steps, "sampled_tokens": sampled,

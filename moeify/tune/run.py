@@ -21,7 +21,7 @@ from ..numerics import release_memory, resolve_device
 from .data import SAMPLE_BATCH, real_windows, text_sources, tuning_data
 from .options import Progress, TuneOptions
 from .output import BaseOutput, _check_written, _updated_report, check_source, read_output, write_tuned
-from .sizing import fit_memory, peak_memory, predicted_memory, step_size
+from .sizing import fit_memory, peak_memory, predicted_memory, step_size, teacher_inline
 from .state import (SAVE_EVERY, STATE_VERSION, TuningState, _atomic_write, _lock, _stop_on_signal, base_fingerprint,
                     check_resumable, describe_state, read_run, recorded_options, resume_command, source_fingerprint,
                     state_dir)
@@ -148,8 +148,8 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
     moeify.parallel); None: when the GPU is too small otherwise and the offloaded run fits (moeify.memory).
     precompute_targets: the teacher pass (teacher_pass) before tuning, the teacher's FFNs freed after it, and the
     sampled windows' hidden states kept from sampling; False: the teacher runs on every window inside the loop
-    (nothing kept on disk: at 16M tokens the sampled text's would be 9.7 GB for SmolLM2, 69 GB at 8B); None: inline on one GPU (where the
-    teacher's forward costs a fraction of the student's step), the pass elsewhere. A resumed run keeps its own.
+    (nothing on disk: at 16M tokens the sampled text's would be 9.7 GB for SmolLM2, 69 GB at 8B); None: in the loop
+    on one GPU where it fits (sizing.teacher_inline), the pass elsewhere. A resumed run keeps its own.
     resume: continue the interrupted run saved in OUT.moeify-tune (opts None: its own; `given`, the options the
     caller set explicitly, must agree with it). restart: discard such a state and start anew."""
     from ..parallel import setup
@@ -163,12 +163,12 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
     if resume:  # as the interrupted run stepped (states from before these were recorded: 1 window, a teacher pass)
         recorded = read_run(root)
         micro, teacher = int(recorded.get("micro_windows", 1)), recorded.get("teacher", "pass")
-    else:  # the device's step (recorded in the options), and on one GPU the teacher in the loop
-        step, micro = step_size(src, run.bo, run.opts, run.seq, par.device, par.world, bool(offload))
+    else:  # on one GPU the teacher in the loop where it fits; the device's step (recorded in the options)
+        inline = (teacher_inline(src, run.bo, run.opts, run.seq, par.device, par.world, bool(offload))
+                  if precompute_targets is None else not precompute_targets)
+        step, micro = step_size(src, run.bo, run.opts, run.seq, par.device, par.world, bool(offload), inline)
         run = dataclasses.replace(run, opts=dataclasses.replace(run.opts, step_tokens=step))
-        teacher = "inline" if par.device.startswith("cuda") and not par.on else "pass"
-        if precompute_targets is not None:
-            teacher = "pass" if precompute_targets else "inline"
+        teacher = "inline" if inline else "pass"
     run_index = len(run.bo.runs)
     seed = run.opts.seed if run.opts.seed is not None else run.bo.cfg.seed + 1000 * run_index
     par.barrier()  # every rank has checked the same files before rank 0 changes them
@@ -236,8 +236,9 @@ def _tune(src: Path, out: Path, root: Path, run: CheckedRun, par, *, seed: int, 
     info["teacher"] = "pass" if precompute_targets else "inline"  # its targets computed before the loop, or in it
     info["teacher_bytes"] = teacher_bytes  # this process's share of the teacher, as loaded (rank 0's)
     info["peak_bytes"], info["peak_what"] = peak_memory(dev)
-    predicted = predicted_memory(src, bo, opts, seq, dev, world=par.world, offload=bool(offload),
-                                 sample_batch=(text.get("generated") or {}).get("sample_batch", SAMPLE_BATCH))
+    predicted = predicted_memory(src, bo, opts, seq, dev, settings, world=par.world, offload=bool(offload),
+                                 sample_batch=(text.get("generated") or {}).get("sample_batch", SAMPLE_BATCH),
+                                 inline=not precompute_targets)
     info["predicted_peak_bytes"] = predicted.peak
     if dev.startswith("cuda"):  # the host side of a GPU run: measured peak RSS beside the predicted host memory
         info["host_peak_bytes"], info["predicted_host_bytes"] = peak_memory("cpu")[0], predicted.host_total

@@ -44,8 +44,21 @@ MAX_MICRO = 512  # windows a forward + backward at most
 GPU_STEP_SHARE = 0.8  # of the GPU's memory a step's micro-batch may take by the memory model (it measured 6% low)
 
 
+def teacher_inline(src: Path, bo: BaseOutput, opts: TuneOptions, seq: int, dev: str, world: int = 1,
+                   offload: bool = False) -> bool:
+    """Whether a new run keeps the teacher in the loop: on one GPU, not offloaded (offloading means memory is
+    short), where the memory model says the run fits with the teacher's FFNs kept (in bf16); elsewhere the teacher
+    pass computes the targets first and the FFNs are freed."""
+    from ..memory import device_memory
+
+    if not dev.startswith("cuda") or world > 1 or offload:
+        return False
+    have = device_memory(dev)
+    return have is None or predicted_memory(src, bo, opts, seq, dev, inline=True).peak <= have
+
+
 def step_size(src: Path, bo: BaseOutput, opts: TuneOptions, seq: int, dev: str, world: int = 1,
-              offload: bool = False) -> tuple[int, int]:
+              offload: bool = False, inline: bool = False) -> tuple[int, int]:
     """(tokens a step, windows a forward + backward on each process) of a new run. A CPU: --step-tokens or 1,024,
     one window at a time (its arithmetic is the limit: a larger batch buys nothing; BENCHMARKS.md). A GPU: launch-
     bound at small batches, so as many windows a forward as GPU_STEP_SHARE of its memory holds by the memory model
@@ -61,7 +74,8 @@ def step_size(src: Path, bo: BaseOutput, opts: TuneOptions, seq: int, dev: str, 
     fit = 1
     while fit < MAX_MICRO and have is not None:
         settings = DistillSettings(tokens=opts.tokens, micro_windows=2 * fit)
-        if predicted_memory(src, bo, opts, seq, dev, settings, world=world, offload=offload).peak > GPU_STEP_SHARE * have:
+        if predicted_memory(src, bo, opts, seq, dev, settings, world=world, offload=offload,
+                            inline=inline).peak > GPU_STEP_SHARE * have:
             break
         fit *= 2
     if opts.step_tokens:
@@ -74,9 +88,10 @@ def step_size(src: Path, bo: BaseOutput, opts: TuneOptions, seq: int, dev: str, 
 
 
 def predicted_memory(src: Path, bo: BaseOutput, opts: TuneOptions, seq: int, dev: str, settings=None, world: int = 1,
-                     offload: bool = False, sample_batch: int = SAMPLE_BATCH):
+                     offload: bool = False, sample_batch: int = SAMPLE_BATCH, inline: bool = False):
     """moeify.memory's prediction for this run (the config of SRC, the layout of the output; sample_batch: the
-    windows sampled at once, SAMPLE_BATCH where the run has not chosen yet, the least it samples)."""
+    windows sampled at once, SAMPLE_BATCH where the run has not chosen yet, the least it samples; inline: the
+    teacher in the loop, its FFNs kept)."""
     from ..distill import DistillSettings
     from ..numerics import tuning_autocast
     from ..families import load_source
@@ -86,7 +101,8 @@ def predicted_memory(src: Path, bo: BaseOutput, opts: TuneOptions, seq: int, dev
     return source_tuning_memory(load_source(src), bo.cfg.experts, len(bo.cfg.dense_layers), seq=seq,
                                 micro_windows=settings.micro_windows, kl_chunk=settings.kl_chunk,
                                 sample_batch=sample_batch, bf16=tuning_autocast(dev, settings.autocast)[1],
-                                train_attention=opts.train_attention, device=dev, world=world, offload=offload)
+                                train_attention=opts.train_attention, device=dev, world=world, offload=offload,
+                                teacher_inline=inline)
 
 
 def peak_memory(dev: str) -> tuple[int, str]:
