@@ -46,7 +46,7 @@ def sampling_seconds_per_token(stamps: list, prompt: int, seq: int) -> float:
 @torch.no_grad()
 def sample_text(model, prompts: torch.Tensor, new_tokens: int, seed: int, batch: int = 64,
                 progress=None, keep_hidden: bool = False, step_times: list | None = None, cache: str = "static",
-                bf16: bool = False):
+                bf16: bool = False, pad: bool = False):
     """The dense model's own continuations (temperature 1, no truncation) of short prompts: (n, p + new_tokens)
     token windows of what the model itself predicts, for label-free distillation (LLM-QAT's data-free KL).
 
@@ -58,13 +58,18 @@ def sample_text(model, prompts: torch.Tensor, new_tokens: int, seed: int, batch:
     buffer of the whole window, written in place: the same tokens, 22% less time on a 2-core CPU for SmolLM2's
     512-token windows than "dynamic", which copies the growing cache at every step; BENCHMARKS.md). bf16: generate
     under bf16 autocast (the hidden states kept are then those of a bf16 forward, as tuning's own teacher computes
-    under it; float16 storage either way)."""
+    under it; float16 storage either way). pad: sample a last, smaller batch at the full batch size (its first
+    prompt repeated, the extra rows dropped), so a compiled decoding (a GPU's CUDA graphs) is not compiled again for
+    a new shape; the text of that batch then differs from an unpadded one's, so a run pads alike or not at all."""
     device = next(model.parameters()).device
     outs, hiddens, steps = [], [], []
     hook = model.model.norm.register_forward_hook(lambda m, i, o: steps.append(o.detach())) if keep_hidden else None
     try:
         for s in range(0, prompts.shape[0], batch):
             p = prompts[s:s + batch].to(device)
+            rows = p.shape[0]
+            if pad and rows < batch:
+                p = torch.cat([p, p[:1].expand(batch - rows, -1)])
             torch.manual_seed(seed + s // batch)  # each batch its own seed: its text does not depend on the others
             n = new_tokens + (1 if keep_hidden else 0)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
@@ -78,9 +83,9 @@ def sample_text(model, prompts: torch.Tensor, new_tokens: int, seed: int, batch:
                                         or os.environ.get("MOEIFY_COMPILE", "1") == "0" else {}),
                                      **({"cache_implementation": "static"} if cache == "static" else {}),
                                      **({"stopping_criteria": _step_clock(step_times)} if step_times is not None else {}))
-            outs.append(out[:, : p.shape[1] + new_tokens].cpu())
+            outs.append(out[:rows, : p.shape[1] + new_tokens].cpu())
             if keep_hidden:
-                hiddens.append(torch.cat(steps, 1)[:, : p.shape[1] + new_tokens].to(torch.float16).cpu())
+                hiddens.append(torch.cat(steps, 1)[:rows, : p.shape[1] + new_tokens].to(torch.float16).cpu())
                 steps.clear()
             if progress:
                 progress("sampling tuning text", min(s + batch, prompts.shape[0]), prompts.shape[0])

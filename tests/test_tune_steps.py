@@ -179,3 +179,24 @@ def test_the_teacher_runs_in_the_loop_only_on_one_gpu_with_room_for_its_ffns(car
     assert not teacher_inline(dense, bo, opts, SEQ, "cuda")
     _gpu_with(monkeypatch, 2 * passed.tuning_peak)
     assert teacher_inline(dense, bo, opts, SEQ, "cuda")
+
+
+def test_a_padded_last_sampling_batch_keeps_its_rows_and_shape(carved):
+    """sample_text(pad=True): a last batch smaller than the batch size is sampled at the full size (a compiled GPU
+    decoding then sees one shape) and only its own rows come back, the windows and hidden states alike."""
+    from transformers import AutoModelForCausalLM
+
+    from moeify.sampling import sample_text
+
+    dense, _ = carved
+    model = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
+    prompts = torch.randint(0, 200, (5, 4), generator=torch.Generator().manual_seed(3))
+    shapes = []
+    hook = model.register_forward_hook(lambda m, a, kw, o: shapes.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    try:
+        windows, hidden = sample_text(model, prompts, 6, 0, batch=4, keep_hidden=True, pad=True)
+    finally:
+        hook.remove()
+    assert windows.shape == (5, 10) and hidden.shape[:2] == (5, 10)
+    assert set(shapes) == {4}  # every forward at the batch size, the last batch's too
+    assert torch.equal(windows[:, :4], prompts)

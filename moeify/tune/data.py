@@ -119,6 +119,8 @@ def sampled_windows(teacher, real: torch.Tensor, n_windows: int, seed: int, fold
     if par.main and not meta.is_file():
         meta.write_text(json.dumps({"sample_batch": size}))
     n_batches = -(-n_windows // size)
+    # a GPU decoding without kept hidden states is compiled (CUDA graphs): the last batch padded to the same shape
+    compiled = not keep_hidden and next(teacher.parameters()).device.type == "cuda"
     for first in range(0, n_batches, par.world):  # rounds: every rank samples (or idles) in step with the others
         b = first + par.rank
         f = folder / f"batch-{b:05d}.safetensors"
@@ -128,7 +130,7 @@ def sampled_windows(teacher, real: torch.Tensor, n_windows: int, seed: int, fold
         if mine:
             batch = prompts[b * size:(b + 1) * size]
             sampled = sample_text(teacher, batch, seq - n_prompt, seed * 100_003 + b, batch=size,
-                                  keep_hidden=keep_hidden, bf16=bf16)
+                                  keep_hidden=keep_hidden, bf16=bf16, pad=compiled)
             windows, hidden = sampled if keep_hidden else (sampled, None)
             _atomic_save({"windows": windows.contiguous(), **({"hidden": hidden.contiguous()} if keep_hidden else {})},
                          f)
