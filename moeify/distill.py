@@ -268,9 +268,9 @@ def lr_scale(settings: DistillSettings) -> float:
 
 
 def moe_kernel(kernel: str, device: torch.device) -> str:
-    """The MoE block's kernel a run uses: "auto" is grouped on a GPU and masked on a CPU (measured there: the
-    grouped products gain where the active share is small, lose at 50%; BENCHMARKS.md), MOEIFY_MOE_KERNEL set to
-    masked or grouped overriding it. Blocks where the grouped kernel does not apply compute masked anyway."""
+    """The MoE block's kernel a run uses: "auto" is grouped on a GPU and masked on a CPU (measured there: torch's
+    CPU grouped GEMM loses to the masked dense products at the presets' layouts; BENCHMARKS.md "GPU", session 31),
+    MOEIFY_MOE_KERNEL set to masked or grouped overriding it. Blocks where grouped does not apply compute masked."""
     from .moe_block import KERNELS
 
     if kernel == "auto":
