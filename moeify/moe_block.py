@@ -134,9 +134,10 @@ class MaskedMoE(torch.nn.Module):
         weight = w_all.gather(1, idx).reshape(-1)  # (n k,) the chosen experts' weights, token-major
         with torch.autocast(h.device.type, enabled=False):
             xc = x.to(dt)
-            gate = self.gate.to(dt)[self.routed].view(n_exp, w, d)
-            up = self.up.to(dt)[self.routed].view(n_exp, w, d)
-            down = self.down.to(dt)[:, self.routed].view(d, n_exp, w).permute(1, 2, 0)  # (E, w, d)
+            gate_c, up_c, down_c = self.gate.to(dt), self.up.to(dt), self.down.to(dt)  # cast once, for both parts
+            gate = gate_c[self.routed].view(n_exp, w, d)
+            up = up_c[self.routed].view(n_exp, w, d)
+            down = down_c[:, self.routed].view(d, n_exp, w).permute(1, 2, 0)  # (E, w, d)
             flat = idx.reshape(-1)
             order = torch.argsort(flat, stable=True)  # the pairs grouped by expert
             offs = torch.cumsum(torch.bincount(flat, minlength=n_exp), 0).to(torch.int32)
@@ -149,6 +150,5 @@ class MaskedMoE(torch.nn.Module):
             out = ys[inverse].view(n, k, d).float().sum(1)  # every token's k experts, in a fixed order
             if self.shared.numel():
                 s = self.shared
-                out = out + masked_ffn(xc, self.gate.to(dt)[s], self.up.to(dt)[s], self.down.to(dt)[:, s],
-                                       shared.to(dt)).float()
+                out = out + masked_ffn(xc, gate_c[s], up_c[s], down_c[:, s], shared.to(dt)).float()
         return out.to(dt).view(h.shape)
