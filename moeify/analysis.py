@@ -127,10 +127,10 @@ def mean_offdiag(matrix: torch.Tensor, n: int | None = None) -> float | None:
 
 @dataclass(frozen=True)
 class MoeLayout:
-    """Where a Mixtral / Qwen2-MoE checkpoint keeps its routed experts and routers."""
+    """Where a Mixtral / Qwen2-MoE / Qwen3-MoE checkpoint keeps its routed experts and routers."""
 
     path: Path
-    fmt: str  # mixtral | qwen2_moe
+    fmt: str  # mixtral | qwen2_moe | qwen3_moe
     n_experts: int
     top_k: int
     n_layers: int
@@ -154,10 +154,10 @@ def read_layout(path: str | Path, reader: CheckpointReader) -> MoeLayout:
     path = Path(path)
     raw = read_config(path)
     model_type = raw.get("model_type")
-    if model_type not in ("mixtral", "qwen2_moe"):
+    if model_type not in ("mixtral", "qwen2_moe", "qwen3_moe"):
         raise MoeifyError(f"{path}/config.json: model_type {model_type!r} cannot be inspected",
-                          "inspect reads mixtral and qwen2_moe checkpoints (what moeify convert writes)")
-    n_experts = raw.get("num_local_experts" if model_type == "mixtral" else "num_experts")
+                          "inspect reads mixtral, qwen2_moe and qwen3_moe checkpoints (what moeify convert writes)")
+    n_experts = raw.get("num_local_experts" if model_type == "mixtral" else "num_experts") or raw.get("num_local_experts")
     top_k = raw.get("num_experts_per_tok")
     n_layers, hidden = raw.get("num_hidden_layers"), raw.get("hidden_size")
     for key, value in (("num_experts", n_experts), ("num_experts_per_tok", top_k), ("num_hidden_layers", n_layers),
@@ -169,7 +169,7 @@ def read_layout(path: str | Path, reader: CheckpointReader) -> MoeLayout:
     moe = tuple(i for i in range(n_layers) if layout.router_name(i) in reader.tensors)
     if not moe:
         raise MoeifyError(f"{path} has no router tensors such as {layout.router_name(0)}",
-                          "expected per-expert tensor names as moeify convert writes them (mixtral or qwen2_moe)")
+                          "expected per-expert tensor names as moeify convert writes them (mixtral, qwen2_moe, qwen3_moe)")
     for i in moe:
         for e in range(n_experts):
             for kind in KINDS:

@@ -18,7 +18,7 @@ from rich.text import Text
 from .errors import MoeifyError
 
 app = typer.Typer(
-    help="Carve a dense LLaMA/Mistral/Qwen2 checkpoint into a Mixture-of-Experts checkpoint, and measure the cost.",
+    help="Carve a dense LLaMA/Mistral/Qwen2/Qwen3 checkpoint into a Mixture-of-Experts checkpoint, and measure the cost.",
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
     rich_markup_mode=None,  # help texts say "[default: ...]"; as rich markup those brackets would vanish
 )
@@ -178,9 +178,10 @@ def convert(
     router: Optional[str] = typer.Option(None, help="Router rows: mean-gate (EMoE) | representative (CMoE) | fitted "
                                          "(ridge fit to the experts' true output norms, needs calibration) "
                                          "[default: fitted; with --weight-only: representative]."),
-    format: Optional[str] = typer.Option(None, "--format", help="Output format: mixtral | qwen2_moe | auto "
-                                         "(qwen2_moe when --shared or --dense-layers need it) [default: auto]."),
-    dense_layers: Optional[str] = typer.Option(None, help="Layers kept dense (qwen2_moe): a list, e.g. 0,31, or auto:M "
+    format: Optional[str] = typer.Option(None, "--format", help="Output format: mixtral | qwen2_moe | qwen3_moe "
+                                         "| auto (qwen2_moe when --shared or --dense-layers or a Qwen2 source's "
+                                         "biases need it; qwen3_moe for a Qwen3 source) [default: auto]."),
+    dense_layers: Optional[str] = typer.Option(None, help="Layers kept dense (qwen2_moe, qwen3_moe): a list, e.g. 0,31, or auto:M "
                                                "for the M layers most hurt by carving on the calibration data."),
     gate_tolerance: Optional[float] = typer.Option(None, help="Max relative error of each unit gate vs 1/k; sets the "
                                                    "router scale (smaller = closer to exact, more float ties) [default: 1e-3]."),
@@ -500,7 +501,7 @@ def plan_cmd(
 
 @app.command("inspect")
 def inspect_cmd(
-    out: Path = typer.Argument(..., help="MoE checkpoint directory (mixtral or qwen2_moe, e.g. written by convert)."),
+    out: Path = typer.Argument(..., help="MoE checkpoint directory (mixtral, qwen2_moe or qwen3_moe, e.g. written by convert)."),
     dense: Optional[Path] = typer.Option(None, "--dense", help="The dense source: adds the dense FFN as row F."),
     data: Optional[Path] = typer.Option(None, "--data", help="Text file: routing, norm-vs-score ranks, activations."),
     max_tokens: int = typer.Option(512, "--max-tokens", help="Tokens of --data to run."),
@@ -534,7 +535,7 @@ def inspect_cmd(
 
 @app.command("verify")
 def verify_cmd(
-    out: Path = typer.Argument(..., help="MoE checkpoint directory (mixtral or qwen2_moe, e.g. written by convert)."),
+    out: Path = typer.Argument(..., help="MoE checkpoint directory (mixtral, qwen2_moe or qwen3_moe, e.g. written by convert)."),
     against: Optional[Path] = typer.Option(None, help="The dense source: also check that every tensor and the "
                                            "un-permuted experts match it bit for bit, and compare logits."),
     logits: bool = typer.Option(True, "--logits/--no-logits", help="With --against: compare logits with every expert "

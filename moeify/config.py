@@ -21,7 +21,7 @@ CALIBRATED_DEFAULTS = {"method": "activation", "router": "fitted", "compensate":
 BUNDLED_CALIB = Path(__file__).resolve().parent / "data" / "calib_sample.txt"  # see moeify/data/README.md
 FEEDS = ("dense", "moe", "corrected")
 DEVICES = ("auto", "cpu", "cuda")
-FORMATS = ("auto", "mixtral", "qwen2_moe")
+FORMATS = ("auto", "mixtral", "qwen2_moe", "qwen3_moe")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # keys of earlier moeify.toml files, renamed since ("tune" now means only the whole-model recovery tuning)
 LEGACY_KEYS = {"tune_epochs": "fit_epochs", "tune_lr": "fit_lr"}
@@ -35,7 +35,8 @@ class ConvertConfig:
     shared: int = 0  # always-on width, in units of one expert
     method: str = "gate-cluster"  # how neurons are grouped into experts
     router: str = "representative"  # how router rows are built
-    format: str = "auto"  # mixtral | qwen2_moe | auto (mixtral unless shared experts / dense layers need qwen2_moe)
+    format: str = "auto"  # mixtral | qwen2_moe | qwen3_moe | auto (mixtral unless shared experts / dense layers need
+    # qwen2_moe; the source decides too: a Qwen2's biases need qwen2_moe, a Qwen3's q/k norms qwen3_moe)
     dense_layers: tuple[int, ...] = ()  # layers whose FFN stays dense (qwen2_moe only)
     gate_tolerance: float = 1e-3  # bound on the relative error of every unit gate (sets the router scale)
     seed: int = 0
@@ -152,6 +153,9 @@ class ConvertConfig:
             raise MoeifyError("--format mixtral cannot hold shared experts", "use --format qwen2_moe (or auto)")
         if fmt == "mixtral" and (self.dense_layers or self.dense_auto):
             raise MoeifyError("--format mixtral cannot keep layers dense", "use --format qwen2_moe (or auto)")
+        if fmt == "qwen3_moe" and self.shared > 0:
+            raise MoeifyError("--format qwen3_moe cannot hold shared experts (Qwen3-MoE has none)",
+                              "pass --shared 0 (or --format qwen2_moe for a Llama/Mistral/Qwen2 source)")
 
 
 # --weight-only: each setting that needs calibration text, and what it becomes without text

@@ -26,7 +26,7 @@ from .numerics import release_memory
 from .carve import CarvedLayer, carve_weight_only
 from .experts import ffn_output_tensors
 from .router import SHARED_GATE_MIN, shared_gate_value
-from .families import (ATTENTION_TENSORS, TOKENIZER_FILES, SourceModel, attention_extras, check_source_tensors,
+from .families import (TOKENIZER_FILES, SourceModel, attention_extras, check_source_tensors,
                        ffn_tensor_names, load_source, target_config)
 from .partition import valid_expert_counts
 from .writer import (LOCK_NAME, BackgroundWriter, ShardLayout, ShardWriter, check_free_space, check_output_path,
@@ -119,6 +119,7 @@ def plan_conversion(src_path: str | Path, cfg: ConvertConfig, *, allow_pickle: b
             raise MoeifyError(f"--format mixtral cannot hold the q/k/v biases of {src.path} ({src.model_type})",
                               "use --format qwen2_moe (or auto)")
         fmt = "qwen2_moe"
+    fmt = _qwen3_format(src, cfg, fmt)
 
     units = cfg.experts + cfg.shared
     if src.d_ff % units:
@@ -145,6 +146,27 @@ def plan_conversion(src_path: str | Path, cfg: ConvertConfig, *, allow_pickle: b
         raise MoeifyError(f"--target {n.engine}: {n.engine} cannot run this layout: {n.what}",
                           f"{n.fix}; or pass --force to write it anyway")
     return plan
+
+
+def _qwen3_format(src: SourceModel, cfg: ConvertConfig, fmt: str) -> str:
+    """A Qwen3 source (q/k norms) goes to Qwen3-MoE, the one stock target with its attention; nothing else does."""
+    if not src.qk_norm:
+        if cfg.format == "qwen3_moe":
+            raise MoeifyError(f"--format qwen3_moe needs a Qwen3 source; {src.path} is {src.model_type} (its attention "
+                              "has no q/k norms)", "use --format mixtral or qwen2_moe (or auto)")
+        return fmt
+    if cfg.shared > 0:  # before --format: the presets name qwen2_moe
+        share = (cfg.top_k + cfg.shared) / (cfg.experts + cfg.shared)
+        from .engines import same_share_layout
+
+        n, k = same_share_layout(src.d_ff, share)
+        raise MoeifyError(f"{src.path} is a Qwen3 model: Qwen3-MoE, the one stock class with its q/k norms, has "
+                          "no shared expert", f"pass --format qwen3_moe --shared 0 --experts {n} --top-k {k} "
+                          f"(the same {share:.0%} active, within llama.cpp's top-k)")
+    if cfg.format in ("mixtral", "qwen2_moe"):
+        raise MoeifyError(f"--format {cfg.format} cannot hold the q/k norms of {src.path} (qwen3)",
+                          "use --format qwen3_moe (or auto)")
+    return "qwen3_moe"
 
 
 def _derive_plan(src: SourceModel, reader: CheckpointReader, cfg: ConvertConfig, fmt: str, width: int,
@@ -179,7 +201,7 @@ def _output_tensors(src: SourceModel, reader: CheckpointReader, fmt: str, cfg: C
     out = [TensorInfo("model.embed_tokens.weight", dtype, (src.vocab, h))]
     for i in range(src.n_layers):
         p = f"model.layers.{i}."
-        for name in (n + ".weight" for n in ATTENTION_TENSORS):
+        for name in (n + ".weight" for n in src.attention_tensors):
             out.append(TensorInfo(p + name, dtype, reader.tensors[p + name].shape))
         out += [TensorInfo(n, dtype, s) for n, s in attention_extras(fmt, src, i)]
         dense = i in cfg.dense_layers
@@ -290,7 +312,7 @@ def _write_tensors(plan: ConversionPlan, writer: ShardWriter, carved: dict[int, 
             reader.prefetch(reader.layer_tensors(i + 1))
         attn_file = tmp / SPILL_DIR / f"{i}.attention.safetensors"  # tuned (--tune-attention)
         tuned_attn = load_file(str(attn_file)) if attn_file.is_file() else {}
-        for name in (n + ".weight" for n in ATTENTION_TENSORS):
+        for name in (n + ".weight" for n in src.attention_tensors):
             t = tuned_attn.get(name.removesuffix(".weight"))
             writer.write(p + name, (reader.get(p + name) if t is None else t).to(dtype))
         for name, shape in attention_extras(plan.fmt, src, i):  # a Qwen2 source's biases, or zeros

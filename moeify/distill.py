@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from .families import ATTENTION_TENSORS
+from .families import attention_tensors
 from .moe_block import MaskedMoE
 from .numerics import tuning_autocast
 
@@ -553,7 +553,7 @@ def share_frozen(teacher, student, train_attention: bool, lowp: torch.dtype | No
 
 
 def attention_params(model) -> list[torch.nn.Parameter]:
-    """Each decoder layer's attention projections and its two RMSNorm weights (biases, where a model has them, stay
+    """Each decoder layer's attention projections and its RMSNorm weights (Qwen3's q/k norms too; biases, where a model has them, stay
     fixed), in layer order: the tensors `train_attention` tunes besides the experts."""
     return [model.get_submodule(f"model.layers.{i}.{name}").weight
-            for i in range(len(model.model.layers)) for name in ATTENTION_TENSORS]
+            for i in range(len(model.model.layers)) for name in attention_tensors(model.config.model_type)]

@@ -7,7 +7,9 @@ Each verdict is a fact measured or read off the engine's code (BENCHMARKS.md "Se
   about 20 overflows it and aborts (`GGML_ASSERT(obj_new)`) whatever the model size: measured, top-24 and top-32
   abort, top-16 runs (llama.cpp 2026-10, SmolLM2-135M and a 1B Llama shape).
 - llama.cpp's qwen2moe graph has no tied output (`missing tensor 'output.weight'`), no dense (`mlp_only_layers`)
-  layers, and wants a shared expert.
+  layers, and wants a shared expert. Its qwen3moe takes a tied output (the embedding duplicated) and no dense layers
+  either (every layer's experts are required tensors; src/models/qwen3moe.cpp).
+- Qwen3-MoE (transformers, vLLM, llama.cpp) has no shared expert: convert refuses one for a Qwen3 source.
 - llama.cpp quantizes a row only when its length is a multiple of the block (32 for Q8_0/Q4_0, 256 for K-quants);
   an expert down_proj row is the expert width, else it falls back to a wider type (finally F16).
 - vLLM's Qwen2-MoE assumes head_dim = hidden / heads (it cuts the q/k/v/o weights to that size without an error:
@@ -69,10 +71,31 @@ def engine_notes(fmt: str, top_k: int, experts: int, shared_width: int, padded_w
                        f"{LLAMACPP_MAX_TOPK} (the same {share:.0%} active), or --target transformers,llama.cpp")
             notes.append(EngineNote("vllm", True, f"its Qwen2-MoE assumes head_dim = hidden / heads "
                                     f"({hidden // heads}), the source has {head_dim}", fix))
+    if fmt == "qwen3_moe":
+        if dense_layers:
+            notes.append(EngineNote("llama.cpp", True, "its qwen3moe has no dense (mlp_only_layers) layers",
+                                    "leave out --dense-layers"))
+        if shared_width:
+            share = (top_k + shared_width / padded_width) / (experts + shared_width / padded_width)
+            n, k = same_share_layout(shared_width + experts * padded_width, share)
+            notes.append(EngineNote("transformers", True, "Qwen3-MoE (the one stock class with Qwen3's q/k norms) "
+                                    "has no shared expert", f"--format qwen3_moe --shared 0 --experts {n} --top-k {k}:"
+                                    f" the same {share:.0%} active"))
     if padded_width % 32:
         notes.append(EngineNote("llama.cpp", False, f"expert width {padded_width} is not a multiple of 32: Q8_0/Q4_0 "
                                 "fall back to a wider type for the experts", "--pad-experts-to 32, or fewer experts"))
     return notes
+
+
+def same_share_layout(d_ff: int, share: float, max_top_k: int = LLAMACPP_MAX_TOPK) -> tuple[int, int]:
+    """(experts, top-k) without a shared expert, top-k = max_top_k, with about `share` of d_ff active: the divisor
+    of d_ff nearest max_top_k / share (experts of a width quantized kernels take first: 256, 128, 32)."""
+    want = max_top_k / share
+    divisors = [n for n in range(max_top_k + 1, 257) if d_ff % n == 0] or [max_top_k * 2]
+    def cost(n: int) -> tuple:
+        width = d_ff // n
+        return (abs(max_top_k / n - share) > 0.02, -next((q for q in (256, 128, 32) if width % q == 0), 1), abs(n - want))
+    return min(divisors, key=cost), max_top_k
 
 
 def blocking(notes: list[EngineNote], targets: tuple[str, ...]) -> list[EngineNote]:
@@ -80,4 +103,4 @@ def blocking(notes: list[EngineNote], targets: tuple[str, ...]) -> list[EngineNo
     return [n for n in notes if n.fails and n.engine in targets]
 
 
-__all__ = ["ENGINES", "LLAMACPP_MAX_TOPK", "EngineNote", "engine_notes", "blocking"]
+__all__ = ["ENGINES", "LLAMACPP_MAX_TOPK", "EngineNote", "engine_notes", "blocking", "same_share_layout"]

@@ -1,4 +1,4 @@
-"""Source families (llama, mistral, qwen2) and target formats (mixtral, qwen2_moe).
+"""Source families (llama, mistral, qwen2, qwen3) and target formats (mixtral, qwen2_moe, qwen3_moe).
 
 Tensor-name templates, config translation, and what each target can represent exactly.
 Facts checked against transformers 5.23 (see shared FORMATS.md):
@@ -7,6 +7,9 @@ Facts checked against transformers 5.23 (see shared FORMATS.md):
   selected gates are ~1/N there and in transformers/vLLM alike (see `routed_factor`).
 - Qwen2-MoE's shared expert is scaled by sigmoid(shared_expert_gate(x)); llama.cpp computes that sigmoid as
   silu(z)/z, NaN at z = 0, so the gate is a tiny constant row rather than zeros (see router.shared_gate_value).
+- Qwen3-MoE is Qwen3's attention (RMSNorm of each head's q and k) with a softmax top-k router and no shared expert.
+  We write `norm_topk_prob: true`, as its released models have it and llama.cpp's qwen3moe graph always computes
+  (renormalised top-k weights, like Mixtral's), so the routed down_proj carries the factor k.
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ import torch
 from .checkpoint import DTYPE_NAMES, TensorInfo
 from .errors import MoeifyError
 
-SOURCE_TYPES = ("llama", "mistral", "qwen2")
+SOURCE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # transformers' classes of each source family: (config, decoder layer, rotary embedding), in models/<family>/
 FAMILY_CLASSES = {"llama": ("LlamaConfig", "LlamaDecoderLayer", "LlamaRotaryEmbedding"),
                   "mistral": ("MistralConfig", "MistralDecoderLayer", "MistralRotaryEmbedding"),
-                  "qwen2": ("Qwen2Config", "Qwen2DecoderLayer", "Qwen2RotaryEmbedding")}
+                  "qwen2": ("Qwen2Config", "Qwen2DecoderLayer", "Qwen2RotaryEmbedding"),
+                  "qwen3": ("Qwen3Config", "Qwen3DecoderLayer", "Qwen3RotaryEmbedding")}
 # q/k/v projections with a bias: Qwen2's attention always has them (its config has no switch); a Llama/Mistral with
 # attention_bias = true is refused (no bias-free target would be exact, and none of their checkpoints has them)
 BIAS_TENSORS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
@@ -35,6 +39,12 @@ BIAS_TENSORS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 # copied from the source, or tuned with --tune-attention.
 ATTENTION_TENSORS = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                      "post_attention_layernorm")
+QK_NORM_TENSORS = ("self_attn.q_norm", "self_attn.k_norm")  # Qwen3: RMSNorm weights of each head's q and k (head_dim,)
+
+
+def attention_tensors(model_type: str) -> tuple[str, ...]:
+    """A dense family's per-layer attention and norm weights (`NAME.weight`): ATTENTION_TENSORS, and Qwen3's q/k norms."""
+    return ATTENTION_TENSORS + (QK_NORM_TENSORS if model_type == "qwen3" else ())
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "dbrx", "olmoe", "granitemoe", "jamba",
              "phimoe", "jetmoe", "switch_transformers", "gpt_oss", "llama4", "glm4_moe")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -45,7 +55,7 @@ IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # buffers that some old checkpoint
 
 @dataclass(frozen=True)
 class SourceModel:
-    """A dense Llama/Mistral checkpoint, described by its config (no weights loaded)."""
+    """A dense Llama/Mistral/Qwen2/Qwen3 checkpoint, described by its config (no weights loaded)."""
 
     path: Path
     raw: dict  # config.json as found
@@ -62,6 +72,12 @@ class SourceModel:
     rope_parameters: dict
     sliding_window: int | None
     qkv_bias: bool = False  # q/k/v projections with biases (Qwen2), carried into the output
+    qk_norm: bool = False  # RMSNorm of each head's q and k (Qwen3), carried into the output (Qwen3-MoE)
+
+    @property
+    def attention_tensors(self) -> tuple[str, ...]:
+        """Each decoder layer's attention and norm weights (`NAME.weight`), copied from the source (or tuned)."""
+        return attention_tensors(self.model_type)
 
     def expected_tensors(self) -> dict[str, tuple[int, ...]]:
         h, f, q, kv = self.hidden, self.d_ff, self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -79,6 +95,8 @@ class SourceModel:
             if self.qkv_bias:
                 shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                                p + "self_attn.v_proj.bias": (kv,)})
+            if self.qk_norm:
+                shapes.update({p + name + ".weight": (self.head_dim,) for name in QK_NORM_TENSORS})
         return shapes
 
 
@@ -114,15 +132,15 @@ def load_source(path: str | Path) -> SourceModel:
     if model_type in MOE_TYPES or moe_key:
         what = f"model_type {model_type!r}" if model_type in MOE_TYPES else f"{model_type!r} with {moe_key} = {raw[moe_key]}"
         raise MoeifyError(f"{path}/config.json: {what} is already a Mixture-of-Experts model",
-                          "moeify converts dense llama/mistral/qwen2 checkpoints")
+                          "moeify converts dense llama/mistral/qwen2/qwen3 checkpoints")
     if model_type not in SOURCE_TYPES:
         raise MoeifyError(f"{path}/config.json: model_type {model_type!r} is not supported",
                           f"supported dense sources: {', '.join(SOURCE_TYPES)}")
     for flag in ("attention_bias", "mlp_bias"):
         if raw.get(flag):
-            raise MoeifyError(f"{path}/config.json: {flag}=true cannot be represented in Mixtral or Qwen2-MoE",
-                              "only bias-free llama/mistral checkpoints (and qwen2, whose q/k/v biases Qwen2-MoE "
-                              "holds) are supported")
+            raise MoeifyError(f"{path}/config.json: {flag}=true cannot be represented in Mixtral, Qwen2-MoE or "
+                              "Qwen3-MoE", "only bias-free llama/mistral/qwen3 checkpoints (and qwen2, whose q/k/v "
+                              "biases Qwen2-MoE holds) are supported")
     # Let transformers standardise rope (legacy rope_theta/rope_scaling -> rope_parameters) and defaults.
     cls = family_classes(model_type)[0]
     try:
@@ -136,17 +154,18 @@ def load_source(path: str | Path) -> SourceModel:
     heads, kv, head_dim = attention_shape(cfg)
     dtype_name = raw.get("torch_dtype") or raw.get("dtype")
     sliding = raw.get("sliding_window") if model_type == "mistral" else None
-    if model_type == "qwen2" and cfg.sliding_window is not None:  # use_sliding_window: no released Qwen2 has it
+    if model_type in ("qwen2", "qwen3") and cfg.sliding_window is not None:  # no released Qwen2/2.5/3 has it
+        target = "Qwen2-MoE" if model_type == "qwen2" else "Qwen3-MoE"
         raise MoeifyError(f"{path}/config.json: use_sliding_window = true (sliding windows from layer "
-                          f"{cfg.max_window_layers} on) is not supported: Qwen2-MoE engines read those fields "
+                          f"{cfg.max_window_layers} on) is not supported: {target} engines read those fields "
                           "differently (transformers: every other layer below max_window_layers)",
-                          "convert a checkpoint with use_sliding_window = false (every released Qwen2 / Qwen2.5)")
+                          "convert a checkpoint with use_sliding_window = false (every released Qwen2 / 2.5 / 3)")
     return SourceModel(
         path=path, raw=raw, model_type=model_type, hidden=cfg.hidden_size, d_ff=cfg.intermediate_size,
         n_layers=cfg.num_hidden_layers, heads=heads, kv_heads=kv, head_dim=head_dim, vocab=cfg.vocab_size,
         tied=bool(cfg.tie_word_embeddings), dtype=DTYPE_NAMES.get(dtype_name) if isinstance(dtype_name, str) else None,
         rope_parameters=dict(cfg.rope_parameters or {"rope_type": "default", "rope_theta": 10000.0}),
-        sliding_window=sliding, qkv_bias=model_type == "qwen2",
+        sliding_window=sliding, qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3",
     )
 
 
@@ -214,7 +233,7 @@ def legacy_rope(rope_parameters: dict) -> tuple[float, dict | None]:
 def target_config(src: SourceModel, fmt: str, *, experts: int, top_k: int, expert_width: int, shared_width: int,
                   dense_layers: tuple[int, ...], dtype: torch.dtype, tied: bool) -> dict:
     """config.json for the output, built by the transformers config class, plus legacy rope keys."""
-    from transformers import MixtralConfig, Qwen2MoeConfig
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     keep = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "hidden_act", "max_position_embeddings", "initializer_range", "rms_norm_eps", "bos_token_id",
@@ -234,9 +253,16 @@ def target_config(src: SourceModel, fmt: str, *, experts: int, top_k: int, exper
                              use_sliding_window=bool(src.sliding_window), sliding_window=src.sliding_window,
                              max_window_layers=src.n_layers, layer_types=layer_types)
         arch = "Qwen2MoeForCausalLM"
+    elif fmt == "qwen3_moe":  # no shared expert (validated earlier); q/k norms and head_dim as the Qwen3 source's
+        cfg = Qwen3MoeConfig(**base, intermediate_size=src.d_ff, moe_intermediate_size=expert_width,
+                             num_experts=experts, norm_topk_prob=True, mlp_only_layers=list(dense_layers),
+                             decoder_sparse_step=1, attention_bias=False, use_sliding_window=False)
+        arch = "Qwen3MoeForCausalLM"
     else:  # validated earlier
         raise ValueError(fmt)
     out = cfg.to_dict()
+    if fmt == "qwen3_moe" and "num_local_experts" in out:  # transformers >= 5.2x renames it; the released Qwen3-MoE
+        out["num_experts"] = out.pop("num_local_experts")  # configs, llama.cpp's converter and older readers say this
     out["architectures"] = [arch]
     out["dtype"] = str(dtype).removeprefix("torch.")
     out["torch_dtype"] = out["dtype"]  # older readers
@@ -245,10 +271,21 @@ def target_config(src: SourceModel, fmt: str, *, experts: int, top_k: int, exper
     return out
 
 
+def renormalises(fmt: str) -> bool:
+    """Whether the format's top-k softmax weights are renormalised over the chosen experts as we write it: Mixtral
+    always, Qwen3-MoE with `norm_topk_prob: true`; our Qwen2-MoE not (`norm_topk_prob: false`)."""
+    return fmt in ("mixtral", "qwen3_moe")
+
+
 def routed_factor(fmt: str, experts: int, top_k: int) -> int:
     """Multiplier of the routed experts' down_proj for unit gates: the selected softmax weights are ~1/top_k when
-    the format renormalises them (Mixtral), ~1/experts when it does not (our Qwen2-MoE, norm_topk_prob false)."""
-    return top_k if fmt == "mixtral" else experts
+    the format renormalises them (Mixtral, Qwen3-MoE), ~1/experts when it does not (our Qwen2-MoE)."""
+    return top_k if renormalises(fmt) else experts
+
+
+def moe_prefix(fmt: str, layer_idx: int) -> str:
+    """The name prefix of one layer's FFN block in the format."""
+    return f"model.layers.{layer_idx}.{'block_sparse_moe' if fmt == 'mixtral' else 'mlp'}."
 
 
 def ffn_tensor_names(fmt: str, layer_idx: int, experts: int, dense: bool, shared: bool) -> list[str]:
@@ -265,8 +302,9 @@ def ffn_tensor_names(fmt: str, layer_idx: int, experts: int, dense: bool, shared
     names = [p + "gate.weight"]
     for e in range(experts):
         names += [f"{p}experts.{e}.gate_proj.weight", f"{p}experts.{e}.up_proj.weight", f"{p}experts.{e}.down_proj.weight"]
-    names += [p + "shared_expert.gate_proj.weight", p + "shared_expert.up_proj.weight",
-              p + "shared_expert.down_proj.weight", p + "shared_expert_gate.weight"]
+    if fmt == "qwen2_moe":  # Qwen3-MoE has no shared expert
+        names += [p + "shared_expert.gate_proj.weight", p + "shared_expert.up_proj.weight",
+                  p + "shared_expert.down_proj.weight", p + "shared_expert_gate.weight"]
     return names
 
 

@@ -78,23 +78,24 @@ class MoePlan:
 
     def engine_notes(self):
         """What transformers, vLLM and llama.cpp say of the layout `convert` carves (the inference-saving regime),
-        written as convert's default would (Mixtral, or Qwen2-MoE with a shared expert or q/k/v biases, and
-        untied embeddings)."""
+        written as convert's default would (Mixtral, or Qwen2-MoE with a shared expert or q/k/v biases, Qwen3-MoE
+        for a Qwen3, and untied embeddings)."""
         from .engines import engine_notes
 
         s = self.src
         width = s.d_ff // (self.experts + self.shared)
-        fmt = "qwen2_moe" if self.shared or s.qkv_bias else "mixtral"
+        fmt = "qwen3_moe" if s.qk_norm else "qwen2_moe" if self.shared or s.qkv_bias else "mixtral"
         return engine_notes(fmt, self.top_k, self.experts, self.shared * width, padded_width(width), False, 0,
                             s.head_dim, s.hidden, s.heads, s.qkv_bias)
 
 
 def non_ffn_params(src: SourceModel) -> int:
-    """Embeddings (+ untied lm_head), attention q/k/v/o (GQA, head_dim), the two norms per layer and the final norm."""
+    """Embeddings (+ untied lm_head), attention q/k/v/o (GQA, head_dim; Qwen2's q/k/v biases), the norms per layer
+    (Qwen3's q/k norms too) and the final norm."""
     h, q, kv = src.hidden, src.heads * src.head_dim, src.kv_heads * src.head_dim
     embed = src.vocab * h * (1 if src.tied else 2)
     attention = h * q + 2 * h * kv + q * h
-    norms = 2 * h
+    norms = 2 * h + (2 * src.head_dim if src.qk_norm else 0) + (q + 2 * kv if src.qkv_bias else 0)
     return embed + src.n_layers * (attention + norms) + h
 
 

@@ -1,7 +1,7 @@
 """`moeify verify OUT [--against SRC]`: is a converted checkpoint complete, consistent and faithful?
 
 Cheap checks (headers only; `convert` runs them on its own output before committing it):
-- config.json is a mixtral / qwen2_moe config, and every tensor it implies is in the shards with the right shape
+- config.json is a mixtral / qwen2_moe / qwen3_moe config, and every tensor it implies is in the shards with the right shape
   and dtype, nothing else is;
 - the index agrees with the shard headers (every entry in the named file, every tensor indexed, total_size right,
   no stray shards);
@@ -13,7 +13,7 @@ Against the source (`--against SRC`):
 - every non-FFN tensor equals the source's, cast to the output dtype, bit for bit;
 - for each MoE layer, the experts' gate/up rows un-permuted (report.json's `perm`) give back the source
   gate_proj/up_proj bit for bit, and each expert's down_proj is the source's columns times its factor
-  (routed: k = top_k when the top-k weights are renormalised (mixtral), else N = the number of experts (qwen2_moe
+  (routed: k = top_k when the top-k weights are renormalised (mixtral, qwen3_moe), else N = the number of experts (qwen2_moe
   with norm_topk_prob false); qwen2_moe shared expert: 2), rounded once to the output dtype, bit for bit; added
   q/k/v biases are the source's (Qwen2) or zero (added for a Llama/Mistral) and the shared-expert gate is report.json's constant row; dense layers equal the source;
 - logits: both models in float32 (the dense one rounded through the output dtype first), the MoE model with every
@@ -42,7 +42,6 @@ import torch
 
 from .checkpoint import DTYPE_NAMES, INDEX_NAME, CheckpointReader
 from .errors import MoeifyError
-from .families import ATTENTION_TENSORS
 
 LOGIT_RTOL = 1e-3
 MAX_LISTED = 20  # problems listed per check before "... and N more"
@@ -118,12 +117,12 @@ def read_layout(out: Path) -> MoeLayout:
 
     raw = read_config(out)
     fmt = raw.get("model_type")
-    if fmt not in ("mixtral", "qwen2_moe"):
+    if fmt not in ("mixtral", "qwen2_moe", "qwen3_moe"):
         raise MoeifyError(f"{out}/config.json: model_type {fmt!r} is not a format moeify writes",
-                          "verify checks mixtral and qwen2_moe checkpoints")
-    from transformers import MixtralConfig, Qwen2MoeConfig
+                          "verify checks mixtral, qwen2_moe and qwen3_moe checkpoints")
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
-    cls = MixtralConfig if fmt == "mixtral" else Qwen2MoeConfig
+    cls = {"mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig}[fmt]
     try:
         cfg = cls.from_dict({k: v for k, v in raw.items() if k != "auto_map"})
     except Exception as exc:  # transformers raises many types for bad values
@@ -146,7 +145,8 @@ def read_layout(out: Path) -> MoeLayout:
         n_experts, width, shared, dense_width, dense_layers = cfg.num_local_experts, cfg.intermediate_size, 0, 0, ()
     else:
         n_experts, width = cfg.num_experts, cfg.moe_intermediate_size
-        shared, dense_width = cfg.shared_expert_intermediate_size, cfg.intermediate_size
+        shared = cfg.shared_expert_intermediate_size if fmt == "qwen2_moe" else 0
+        dense_width = cfg.intermediate_size
         step = cfg.decoder_sparse_step or 1
         dense_layers = tuple(i for i in range(n_layers) if i in (cfg.mlp_only_layers or []) or n_experts == 0
                              or (i + 1) % step != 0)
@@ -160,6 +160,8 @@ def read_layout(out: Path) -> MoeLayout:
         if fmt == "qwen2_moe" and cfg.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kvd,),
                            p + "self_attn.v_proj.bias": (kvd,)})
+        if fmt == "qwen3_moe":
+            shapes.update({p + "self_attn.q_norm.weight": (head_dim,), p + "self_attn.k_norm.weight": (head_dim,)})
         if i in dense_layers:
             m = p + "mlp."
             shapes.update({m + "gate_proj.weight": (dense_width, h), m + "up_proj.weight": (dense_width, h),
@@ -355,7 +357,7 @@ def check_weights_against(out: Path, layout: MoeLayout, reader: CheckpointReader
         if entry.get("attention_tuned"):
             skipped.append(f"layer {i}: attention and norms tuned (--tune-attention), not compared with the source")
         else:
-            for name in (n + ".weight" for n in ATTENTION_TENSORS):
+            for name in (n + ".weight" for n in source.attention_tensors):  # Qwen3's q/k norms too
                 same_as_source(p + name)
         for name in ("q_proj.bias", "k_proj.bias", "v_proj.bias"):
             if p + "self_attn." + name in layout.shapes:  # a Qwen2 source's own biases; zeros added for a Llama's

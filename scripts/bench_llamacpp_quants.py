@@ -70,6 +70,8 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--work", type=Path, default=ROOT / "build/llamacpp")
     p.add_argument("--llama-cpp-python", default=ll.PIN)
+    p.add_argument("--gguf-dir", type=Path, default=None, help="where the GGUFs and text cuts go [default: WORK/quants]; "
+                   "a GGUF already there is reused, so give each set of models its own")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
 
@@ -79,8 +81,8 @@ def main(argv=None) -> None:
     top = ll.fetch_llamacpp(work, a.llama_cpp_python)
     exe, quant_exe = build_tools(work, top, a.llama_cpp_python)
     py = ll.converter_python(work)
-    ggufs = work / "quants"
-    ggufs.mkdir(exist_ok=True)
+    ggufs = (a.gguf_dir or work / "quants").resolve()
+    ggufs.mkdir(parents=True, exist_ok=True)
     texts = {}
     for t in a.texts:
         name = t.parent.name if t.stem in ("valid", "test", "train") else t.name  # the corpus, not its split

@@ -25,10 +25,10 @@ the MoE layer it used. Greedy decode speed (batch 1, --decode-tokens after
 --decode-prompt-tokens of WikiText-2 valid, ignore_eos) in vLLM: tokens/s from (time of prompt + N tokens) - (time
 of prompt + 1 token), wall and process CPU seconds, median of --decode-repeats.
 
-Exactness (--exactness): tiny random Llama/Mistral checkpoints (tests/conftest.py's build_dense, head_dim >= 32
+Exactness (--exactness): tiny random Llama/Mistral/Qwen3 checkpoints (tests/conftest.py's build_dense, head_dim >= 32
 because vLLM's CPU attention takes head sizes 32, 64, 80, ...) converted with `moeify convert --weight-only
 --no-tune --top-k N` (all experts active) to Mixtral and to Qwen2-MoE (no shared expert, a shared expert, a dense
-layer); vLLM float32 prompt logprobs over the whole vocabulary of the MoE against the dense model's, and both against
+layer), a Qwen3 to Qwen3-MoE (and with a dense layer; `--cases` picks sources); vLLM float32 prompt logprobs over the whole vocabulary of the MoE against the dense model's, and both against
 transformers. Two sparse outputs (top-k < experts) are checked against transformers on the same MoE instead.
 
 The vLLM side runs in --vllm-python (a separate venv) as a subprocess, one process per dtype with every model loaded
@@ -226,6 +226,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("models", type=Path, nargs="*", help="the dense source first, then moeify outputs")
     ap.add_argument("--exactness", action="store_true", help="also (or only) the tiny all-experts exactness check")
+    ap.add_argument("--cases", nargs="+", choices=list(TINY_CASES), default=None,
+                    help="--exactness: only these tiny sources [default: all]")
     ap.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
     ap.add_argument("--eval", type=Path, nargs="+", default=TEXTS)
     ap.add_argument("--eval-tokens", type=int, default=8192)
@@ -462,12 +464,19 @@ QWEN_SHARED_DENSE = ("qwen2_moe-shared-dense1", ["--format", "qwen2_moe", "--exp
 MIXTRAL_TOP2 = ("mixtral-top2of4", ["--format", "mixtral", "--experts", "4", "--top-k", "2"])
 QWEN_SHARED_TOP1 = ("qwen2_moe-shared-top1of3", ["--format", "qwen2_moe", "--experts", "3", "--shared", "1",
                                                  "--top-k", "1"])
+# Qwen3 sources (q/k norms, head_dim of their own) go to Qwen3-MoE, which has no shared expert
+QWEN3 = ("qwen3_moe", ["--format", "qwen3_moe", "--experts", "4", "--top-k", "4"])
+QWEN3_DENSE = ("qwen3_moe-dense1", ["--format", "qwen3_moe", "--experts", "4", "--top-k", "4", "--dense-layers", "1"])
+QWEN3_TOP2 = ("qwen3_moe-top2of4", ["--format", "qwen3_moe", "--experts", "4", "--top-k", "2"])
+QWEN3_SOURCE = dict(family="qwen3", head_dim=64, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
 TINY_CASES = {
     "llama-gqa-llama3rope": (dict(rope_parameters=LLAMA3_ROPE), [MIXTRAL, QWEN, QWEN_SHARED, QWEN_SHARED_DENSE,
                                                                  MIXTRAL_TOP2, QWEN_SHARED_TOP1]),
     "llama-tied": (dict(tie_word_embeddings=True), [MIXTRAL, QWEN_SHARED]),
     "llama-headdim64": (dict(head_dim=64), [MIXTRAL, QWEN_SHARED]),  # head_dim != hidden / heads (32)
     "mistral-sliding8": (dict(family="mistral", sliding_window=8), [MIXTRAL]),  # window < prompt (24)
+    "qwen3-headdim64": (QWEN3_SOURCE, [QWEN3, QWEN3_DENSE, QWEN3_TOP2]),
+    "qwen3-tied": ({**QWEN3_SOURCE, "tie_word_embeddings": True}, [QWEN3]),
 }
 
 
@@ -503,6 +512,8 @@ def check_exactness(args) -> dict:
     seqs = torch.randint(2, TINY["vocab_size"], (4, 24), generator=torch.Generator().manual_seed(1)).tolist()
     models, pairs = [], []  # (name, path); (case, output name, dense name, moe name, flags)
     for case, (over, outputs) in TINY_CASES.items():
+        if args.cases and case not in args.cases:
+            continue
         src = build_dense(work / case / "dense", tokdir, **{**TINY, **over})
         models.append((f"{case}/dense", src))
         for oname, flags in outputs:

@@ -42,15 +42,15 @@ BASE = dict(vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_lay
 
 def build_dense(path: Path, tokenizer_dir: Path | None = None, family: str = "llama", seed: int = 0,
                 dtype: torch.dtype = torch.float32, max_shard_size: str | None = None, **overrides) -> Path:
-    """Save a random dense Llama/Mistral/Qwen2 with `save_pretrained` (real safetensors, real config)."""
+    """Save a random dense Llama/Mistral/Qwen2/Qwen3 with `save_pretrained` (real safetensors, real config)."""
     import transformers
 
     torch.manual_seed(seed)
-    prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[family]
+    prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
     cfg_cls, model_cls = getattr(transformers, prefix + "Config"), getattr(transformers, prefix + "ForCausalLM")
     cfg = cfg_cls(**{**BASE, **overrides})
     model = model_cls(cfg).eval()
-    with torch.no_grad():  # non-trivial norms (and Qwen2's q/k/v biases, zero at init) so they matter
+    with torch.no_grad():  # non-trivial norms (Qwen3's q/k norms too; Qwen2's q/k/v biases, zero at init) so they matter
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)

@@ -51,32 +51,44 @@ def test_all_experts_active_reproduce_a_qwen2_models_log_probs(tmp_path, tokeniz
     assert diff <= EXACT_LOGPROB, f"{layout}, tied={tied}: max |log-prob diff| {diff:.3g}"
 
 
-def test_zeroed_biases_would_break_exactness(tmp_path, tokenizer_dir):
-    """The exactness test above sees the biases: the same output with its biases zeroed is far from dense."""
+def altered_logprob_diff(tmp_path, src: Path, suffixes: tuple[str, ...], fill: float) -> float:
+    """Max |log-prob diff| against the dense source of an all-experts carve whose tensors ending in `suffixes` are
+    overwritten with `fill`: shows that the exactness test sees those tensors."""
     from safetensors.torch import load_file, save_file
 
-    src = build_dense(tmp_path / "dense", tokenizer_dir, **QWEN)
     run_conversion(plan_conversion(src, build_config(experts=4, top_k=4, gate_tolerance=1e-6)), tmp_path / "moe")
     f = tmp_path / "moe" / "model.safetensors"
     tensors = load_file(str(f))
-    save_file({k: torch.zeros_like(v) if k.endswith("_proj.bias") else v for k, v in tensors.items()}, str(f),
+    save_file({k: torch.full_like(v, fill) if k.endswith(suffixes) else v for k, v in tensors.items()}, str(f),
               metadata={"format": "pt"})
-    assert max_logprob_diff(src, tmp_path / "moe") > 1e-2
+    return max_logprob_diff(src, tmp_path / "moe")
+
+
+def test_zeroed_biases_would_break_exactness(tmp_path, tokenizer_dir):
+    """The exactness test above sees the biases: the same output with its biases zeroed is far from dense."""
+    src = build_dense(tmp_path / "dense", tokenizer_dir, **QWEN)
+    assert altered_logprob_diff(tmp_path, src, ("_proj.bias",), 0.0) > 1e-2
+
+
+def assert_round_trip(src: Path, out: Path, fmt: str, **flags) -> None:
+    """A bf16 source carved with `flags`: every layer's experts un-permuted give back its FFN bit for bit."""
+    report = run_conversion(plan_conversion(src, build_config(**flags)), out)
+    dense, moe = CheckpointReader(src), CheckpointReader(out)
+    assert report["format"] == fmt
+    units = flags["experts"] + flags.get("shared", 0)
+    for layer in report["layers"]:
+        i = layer["layer"]
+        part = Partition(torch.tensor(layer["perm"]), layer["shared_neurons"], flags["experts"], 96 // units)
+        tensors = {n: moe.get(n) for n in moe.tensors if n.startswith(f"model.layers.{i}.")}
+        g, u, d = unpermute_ffn(tensors, part, fmt, i, build_config(**flags))
+        p = f"model.layers.{i}.mlp."
+        assert torch.equal(g, dense.get(p + "gate_proj.weight")) and torch.equal(u, dense.get(p + "up_proj.weight"))
+        assert torch.equal(d, dense.get(p + "down_proj.weight"))
 
 
 def test_qwen2_round_trip_unpermute_is_bit_exact(tmp_path):
     src = build_dense(tmp_path / "dense", dtype=torch.bfloat16, **QWEN)
-    flags = dict(experts=4, top_k=2, shared=2, method="gate-cluster")
-    report = run_conversion(plan_conversion(src, build_config(**flags)), tmp_path / "moe")
-    dense, moe = CheckpointReader(src), CheckpointReader(tmp_path / "moe")
-    for layer in report["layers"]:
-        i = layer["layer"]
-        part = Partition(torch.tensor(layer["perm"]), layer["shared_neurons"], 4, 96 // 6)
-        tensors = {n: moe.get(n) for n in moe.tensors if n.startswith(f"model.layers.{i}.")}
-        g, u, d = unpermute_ffn(tensors, part, "qwen2_moe", i, build_config(**flags))
-        p = f"model.layers.{i}.mlp."
-        assert torch.equal(g, dense.get(p + "gate_proj.weight")) and torch.equal(u, dense.get(p + "up_proj.weight"))
-        assert torch.equal(d, dense.get(p + "down_proj.weight"))
+    assert_round_trip(src, tmp_path / "moe", "qwen2_moe", experts=4, top_k=2, shared=2, method="gate-cluster")
 
 
 def test_a_calibrated_and_tuned_qwen2_carve_verifies_against_its_source(tmp_path, tokenizer_dir):

@@ -22,7 +22,7 @@ from ..checkpoint import CheckpointReader
 from ..writer import ShardLayout, ShardWriter
 from ..config import ConvertConfig, build_config, config_to_toml
 from ..errors import MoeifyError
-from ..families import ATTENTION_TENSORS, BIAS_TENSORS, TOKENIZER_FILES, SourceModel, ffn_tensor_names
+from ..families import BIAS_TENSORS, TOKENIZER_FILES, SourceModel, attention_tensors, ffn_tensor_names
 from ..partition import Partition
 
 @dataclass
@@ -98,7 +98,7 @@ def check_source(src: SourceModel, base: BaseOutput, out_reader: CheckpointReade
                               f"output's {ours}", hint)
     tuned = {e["layer"] for e in base.report["layers"] if e.get("attention_tuned")}
     names = ["model.embed_tokens.weight", "model.norm.weight"] + [
-        f"model.layers.{i}.{n}.weight" for i in range(src.n_layers) if i not in tuned for n in ATTENTION_TENSORS] + [
+        f"model.layers.{i}.{n}.weight" for i in range(src.n_layers) if i not in tuned for n in src.attention_tensors] + [
         f"model.layers.{i}.{n}.bias" for i in range(src.n_layers) for n in BIAS_TENSORS if src.qkv_bias]
     shapes = src.expected_tensors()
     with contextlib.closing(CheckpointReader(src.path)) as reader:
@@ -166,7 +166,7 @@ def write_tuned(base: BaseOutput, reader: CheckpointReader, student, tmp: Path, 
                                                  mlp.gate.detach().cpu(), mlp.up.detach().cpu(), mlp.down.detach().cpu(),
                                                  cfg, out_dtype, entry.get("shared_gate", 0.0))
                     if train_attention:
-                        for name in ATTENTION_TENSORS:
+                        for name in attention_tensors(student.config.model_type):
                             new[f"model.layers.{i}.{name}.weight"] = student.get_submodule(
                                 f"model.layers.{i}.{name}").weight.detach().cpu()
             value = new.pop(t.name, None)

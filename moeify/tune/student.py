@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from ..checkpoint import CheckpointReader
-from ..families import ATTENTION_TENSORS, ffn_tensor_names
+from ..families import attention_tensors, ffn_tensor_names
 from ..numerics import release_memory
 from .output import BaseOutput, _partition
 
@@ -84,7 +84,7 @@ def build_student(teacher, base: BaseOutput, reader: CheckpointReader, device: s
         if entry.get("attention_tuned"):
             own_attention.add(i)
             with torch.no_grad():
-                for name in ATTENTION_TENSORS:
+                for name in attention_tensors(teacher.config.model_type):
                     w = student.get_submodule(f"model.layers.{i}.{name}").weight
                     w.copy_(reader.get(f"model.layers.{i}.{name}.weight").to(w.dtype))
         if entry.get("dense"):
