@@ -68,6 +68,9 @@ class DistillSettings:
     # every step, as a timer of steps needs); a CPU's show every step
     moe_kernel: str = "auto"  # masked | grouped | auto (grouped on a GPU, masked on a CPU: moeify.moe_block;
     # MOEIFY_MOE_KERNEL overrides auto)
+    compile_model: bool = False  # the training step's teacher and student forwards through torch.compile (opt-in
+    # until a GPU run measures it: scripts/bench_gpu.py --speed-only times both; MOEIFY_COMPILE_MODEL=1 turns it on,
+    # MOEIFY_COMPILE=0 off; MOEIFY_COMPILE_BACKEND picks the backend, inductor by default)
     warmup_steps: int = 5
     schedule_from: float = 0.0  # where in its cosine the run starts (0: the peak); a continued run's schedule is the
     # rest of one cosine over its earlier tokens and these (moeify.tune.TuneOptions.schedule_from)
@@ -234,14 +237,29 @@ class WindowStream:
         self.order, self.pos, self.passes = tensors["stream.order"].clone(), int(meta["pos"]), int(meta["passes"])
 
 
+def compiled_forwards(teacher, student, settings: DistillSettings) -> tuple[Callable, Callable, bool]:
+    """(teacher's final hidden states, student's, compiled or not) for the training step: final_hidden itself, or
+    each model's decoder stack through torch.compile (static shapes: a step's micro-batches are one size) where
+    settings.compile_model or MOEIFY_COMPILE_MODEL=1 asks and MOEIFY_COMPILE is not 0. The compiled modules share
+    the models' parameters; the held-out checks stay eager (other batch sizes would recompile)."""
+    want = os.environ.get("MOEIFY_COMPILE_MODEL", "1" if settings.compile_model else "0") == "1"
+    if not want or os.environ.get("MOEIFY_COMPILE", "1") == "0":
+        return (lambda ids: final_hidden(teacher, ids)), (lambda ids: final_hidden(student, ids)), False
+    backend = os.environ.get("MOEIFY_COMPILE_BACKEND", "inductor")
+    ct, cs = (torch.compile(m.model, dynamic=False, backend=backend) for m in (teacher, student))
+    return (lambda ids: ct(input_ids=ids).last_hidden_state), (lambda ids: cs(input_ids=ids).last_hidden_state), True
+
+
 def accumulate_kl(teacher, student, batch: torch.Tensor, head: torch.Tensor, ctx, settings: DistillSettings,
-                  targets: list | None = None) -> torch.Tensor:
+                  targets: list | None = None, forwards: tuple[Callable, Callable] | None = None) -> torch.Tensor:
     """One step's gradients: the teacher's forward, the student's forward and backward and the chunked KL, one
     micro-batch of windows at a time (activations of one micro-batch held), gradients accumulated into .grad.
     targets: per window, the teacher's final hidden states kept from sampling (None where there are none): a
-    micro-batch whose windows all have them skips the teacher's forward. Returns the step's mean KL as a 0-dim
+    micro-batch whose windows all have them skips the teacher's forward. forwards: (teacher's, student's) final
+    hidden states of a micro-batch (compiled_forwards; default final_hidden). Returns the step's mean KL as a 0-dim
     tensor (read with .item() only when it is shown or saved)."""
     device, step_kl = next(student.parameters()).device, None
+    fwd_t, fwd_s = forwards or ((lambda ids: final_hidden(teacher, ids)), (lambda ids: final_hidden(student, ids)))
     size = max(1, settings.micro_windows)
     if device.type == "cuda":  # the step's windows copied once, without waiting for the GPU's queue
         batch = batch.pin_memory().to(device, non_blocking=True)
@@ -253,8 +271,8 @@ def accumulate_kl(teacher, student, batch: torch.Tensor, head: torch.Tensor, ctx
                 target = torch.stack([t.float() for t in kept]).to(device)  # (fp16 sampled, fp32 real)
             else:
                 with torch.no_grad():
-                    target = final_hidden(teacher, micro)
-            loss = chunked_kl(final_hidden(student, micro), target, head, settings.kl_chunk, settings.kl_logits) * (
+                    target = fwd_t(micro)
+            loss = chunked_kl(fwd_s(micro), target, head, settings.kl_chunk, settings.kl_logits) * (
                 micro.shape[0] / batch.shape[0])
         loss.backward()
         step_kl = loss.detach() if step_kl is None else step_kl + loss.detach()
@@ -409,6 +427,7 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
 
     ctx, bf16 = tuning_autocast(str(device), settings.autocast)
     head = student.lm_head.weight
+    fwd_t, fwd_s, compiled = compiled_forwards(teacher, student, settings)
     if held_targets is not None and len(held_targets) == len(held_out):
         hold_t = [held_targets[s:s + per_step].to(device, torch.float32) for s in range(0, len(held_out), per_step)]
     else:
@@ -478,7 +497,8 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
         opt.zero_grad(set_to_none=True)
         idx = stream.take_indices(per_step)[par.rank::par.world]  # this rank's share of the step's windows
         step_kl = par.mean(accumulate_kl(teacher, student, train[idx], head, ctx, settings,
-                                         None if targets is None else [targets(int(i)) for i in idx])).double()
+                                         None if targets is None else [targets(int(i)) for i in idx],
+                                         (fwd_t, fwd_s))).double()
         opt.step()
         ema = step_kl if ema is None else 0.95 * ema + 0.05 * step_kl
         if step in checks:
@@ -518,7 +538,7 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
             "kl_logits": "bf16" if bf16 and settings.kl_logits == "autocast" else "float32",  # the training KL's
             "router_trained": settings.train_router, "attention_trained": settings.train_attention,
             "batch_tokens": per_step * seq, "micro_windows": settings.micro_windows, "moe_kernel": kernel,
-            "lr_scale": round(lr_scale(settings), 4)}
+            "compiled": compiled, "lr_scale": round(lr_scale(settings), 4)}
 
 
 def share_frozen(teacher, student, train_attention: bool, lowp: torch.dtype | None = None,

@@ -22,7 +22,8 @@ would start past --budget-s is skipped, so a budgeted run always returns what it
 
 --speed-only (the speed rows of the GPU-speed issue, one call of a few minutes): for SmolLM2's shape and the 8B
 widths, the tuning step of a --speed-tokens run (`tune --dry-run`: its steps as the run sizes them) with each MoE
-kernel (MOEIFY_MOE_KERNEL masked / grouped), its sampling rate and MFU by its FLOPs (teacher forward 2N + student
+kernel (MOEIFY_MOE_KERNEL masked / grouped) and with the grouped one under torch.compile (MOEIFY_COMPILE_MODEL=1:
+the teacher's and student's forwards compiled, inductor), its sampling rate and MFU by its FLOPs (teacher forward 2N + student
 forward and backward 6N of the active weights), beside a dense bf16 training step of the same model at the same
 tokens a step (compiled, fused AdamW, SDPA; its MFU by 6N) and the ratio of their times a token.
 
@@ -118,6 +119,10 @@ def decode_speed(path: Path, device: str, dtype: torch.dtype, prompt: int, new: 
 
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}  # dense, no sparsity
+
+
+# the tuning step's variants timed side by side: the MoE block's kernel, and the forwards through torch.compile
+KERNEL_VARIANTS = (("masked", False), ("grouped", False), ("grouped", True))
 
 
 def peak_flops(name: str) -> float | None:
@@ -397,12 +402,14 @@ def main() -> None:
             if (name, preset) not in carves:
                 continue
             moe_cfg = json.loads((carves[(name, preset)] / "config.json").read_text())
-            for kernel in ("masked", "grouped"):
+            for kernel, compiled in KERNEL_VARIANTS:
                 est = moeify(budget, "tune", str(shapes[name]), str(carves[(name, preset)]), "--tokens",
-                             str(args.speed_tokens), "--dry-run", *dev, json_out=True, env={"MOEIFY_MOE_KERNEL": kernel})
+                             str(args.speed_tokens), "--dry-run", *dev, json_out=True,
+                             env={"MOEIFY_MOE_KERNEL": kernel, "MOEIFY_COMPILE_MODEL": "1" if compiled else "0"})
                 flops = tuning_flops_per_token(dense_cfg, moe_cfg)
                 peak = peak_flops(results["device"]) if cuda else None
-                row["tuning"][f"{preset} {kernel}"] = {
+                row["tuning"][f"{preset} {kernel}{' compiled' if compiled else ''}"] = {
+                    "moe_kernel": est.get("moe_kernel"), "compiled": est.get("compiled"),
                     "tokens_per_second": est["tokens_per_second"], "step_tokens": est["step_tokens"],
                     "micro_windows": est.get("micro_windows"), "teacher": est.get("teacher"),
                     "peak_bytes": est["peak_bytes"], "sampling_tokens_per_second": 1024 / est["sampling_seconds_per_1k"],

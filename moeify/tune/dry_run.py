@@ -79,8 +79,8 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
     try:
         with contextlib.closing(CheckpointReader(base)) as reader:
             student = tuning_student(teacher, bo, reader, par, opts.train_attention, tuning_autocast(dev, settings.autocast)[1])
-        distill(teacher, student, real, held1, settings, progress=lambda *a: stamps.append(time.time()),
-                targets=kept.get, held_targets=held_t, par=par)
+        info = distill(teacher, student, real, held1, settings, progress=lambda *a: stamps.append(time.time()),
+                       targets=kept.get, held_targets=held_t, par=par)
     finally:
         if par.own_group:
             par.close()
@@ -105,7 +105,8 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
     peak, what = peak_memory(dev)
     predicted = predicted_memory(src, bo, opts, seq, dev, settings, offload=offload, sample_batch=size, inline=inline)
     return {"sample_batch": size, "tokens": opts.tokens, "device": dev, "offload": bool(offload), "step_tokens": per_step,
-            "micro_windows": micro, "teacher": "inline" if inline else "pass", "step_seconds": step_s,
+            "micro_windows": micro, "teacher": "inline" if inline else "pass", "moe_kernel": info["moe_kernel"],
+            "compiled": info["compiled"], "step_seconds": step_s,
             "tokens_per_second": per_step / step_s, "steps": n_steps, "sampled_tokens": sampled,
             "sampling_seconds_per_1k": sampling_rate, "sampling_seconds": sampling_s,
             "tuning_seconds": tuning_s, "teacher_pass_seconds": teacher_s, "estimated_seconds": total_s,
