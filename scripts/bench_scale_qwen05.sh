@@ -4,7 +4,8 @@
 # (first 8,192 tokens, windows of 256, float32; WikiText-2, Shakespeare, GPL-3, and code: Python's argparse.py,
 # which no tuning or calibration text contains), training-free and after tuning on 65,536 or 262,144 fresh
 # tokens (`moeify tune`, the presets' defaults). Steps run one after another and each writes its result file at once:
-#     bash scripts/bench_scale_qwen05.sh [STEP...]    (steps: carve, tune, tune262, tune25; default carve tune;
+#     bash scripts/bench_scale_qwen05.sh [STEP...]    (steps: carve, tune, tune262, tune25,
+#                                                         tune25_262; default carve tune;
 #                                                         MODELS="q s")
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,5 +36,6 @@ for step in $steps; do for m in $MODELS; do
     tune)     tune_and_score $m 50 65536 65k ;;    # the 50% preset tuned on 65,536 tokens from its carve
     tune262)  tune_and_score $m 50 262144 262k ;;  # ... on 262,144 tokens (a single run, not a resumed one)
     tune25)   tune_and_score $m 25 65536 65k ;;    # the 25% preset on 65,536 tokens
+    tune25_262) tune_and_score $m 25 262144 262k ;;  # ... on 262,144 tokens
   esac
 done; done
