@@ -37,7 +37,7 @@ class ConvertConfig:
     router: str = "representative"  # how router rows are built
     format: str = "auto"  # mixtral | qwen2_moe | qwen3_moe | auto (mixtral unless shared experts / dense layers need
     # qwen2_moe; the source decides too: a Qwen2's biases need qwen2_moe, a Qwen3's q/k norms qwen3_moe)
-    dense_layers: tuple[int, ...] = ()  # layers whose FFN stays dense (qwen2_moe only)
+    dense_layers: tuple[int, ...] = ()  # layers whose FFN stays dense (qwen2_moe, qwen3_moe)
     gate_tolerance: float = 1e-3  # bound on the relative error of every unit gate (sets the router scale)
     seed: int = 0
     kmeans_iters: int = 8  # Lloyd iterations of balanced k-means

@@ -92,7 +92,8 @@ def same_share_layout(d_ff: int, share: float, max_top_k: int = LLAMACPP_MAX_TOP
     of d_ff nearest max_top_k / share (experts of a width quantized kernels take first: 256, 128, 32)."""
     want = max_top_k / share
     divisors = [n for n in range(max_top_k + 1, 257) if d_ff % n == 0] or [max_top_k * 2]
-    def cost(n: int) -> tuple:
+
+    def cost(n: int) -> tuple:  # within 2 points of the share first, then the widest quantum, then the nearest
         width = d_ff // n
         return (abs(max_top_k / n - share) > 0.02, -next((q for q in (256, 128, 32) if width % q == 0), 1), abs(n - want))
     return min(divisors, key=cost), max_top_k
