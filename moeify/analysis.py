@@ -350,7 +350,7 @@ def dynamic_analysis(path: str | Path, data: str | Path, max_tokens: int = 512, 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.activations import ACT2FN
 
-    from .evaluate import encode_text
+    from .text import encode_text
 
     path, data = Path(path), Path(data)
     reader = CheckpointReader(path)

@@ -65,7 +65,7 @@ def source_tokenizer(src_path: Path):
 
 def text_windows(src_path: Path, files: list[str | Path], seq_len: int) -> torch.Tensor:
     """Every whole window of seq_len tokens of the files' text, (n, seq_len) (possibly n = 0)."""
-    from .evaluate import encode_text
+    from .text import encode_text
 
     ids = encode_text(source_tokenizer(src_path), read_texts(files), add_special_tokens=False)
     n = len(ids) // seq_len
@@ -80,7 +80,7 @@ def calibration_tokens(src_path: Path, files: list[str | Path], n_tokens: int,
     n_tokens 0 (no --calib-tokens): as many whole windows as the text fills, up to CALIB_TOKENS_CAP tokens.
     An explicit n_tokens larger than the text is an error."""
     from .config import CALIB_TOKENS_CAP
-    from .evaluate import encode_text
+    from .text import encode_text
 
     text = read_texts(files)
     ids = encode_text(source_tokenizer(src_path), text, add_special_tokens=False)

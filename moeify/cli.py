@@ -298,7 +298,7 @@ def convert(
         if no_tune:
             cfg = dataclasses.replace(cfg, fit_epochs=0)
         if eval_data:  # a bad --eval file fails before the conversion, not after it
-            from .evaluate import read_text
+            from .text import read_text
 
             read_text(eval_data)
         plan = plan_conversion(src, cfg, allow_pickle=allow_pickle, allow_nonfinite=allow_nonfinite, force=force)

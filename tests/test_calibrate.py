@@ -268,7 +268,7 @@ def test_no_too_long_sequence_warning_when_tokenizing_long_text(tmp_path, calib_
     from transformers import AutoTokenizer
 
     from moeify.calibrate import calibration_tokens
-    from moeify.evaluate import load_tokenizer, tokenize
+    from moeify.text import load_tokenizer, tokenize
 
     cfg_file = calib_model / "tokenizer_config.json"
     cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), "model_max_length": 128}))

@@ -16,8 +16,8 @@ from moeify.cli import app
 from moeify.config import build_config
 from moeify.convert import plan_conversion, run_conversion
 from moeify.errors import MoeifyError
-from moeify.evaluate import (SAMPLE, EvalSettings, evaluate, expert_output_norms, make_windows, oracle_topk,
-                             read_text, routing_stats)
+from moeify.evaluate import EvalSettings, evaluate, expert_output_norms, oracle_topk, routing_stats
+from moeify.text import SAMPLE, make_windows, read_text
 
 REL = 1e-4
 SEQ, MAX_TOKENS = 32, 400
@@ -394,8 +394,7 @@ def test_kl_to_the_reference_equals_a_direct_computation(models, text_file):
     dense, moe, again = result.models
     assert dense.kl is None and again.kl == pytest.approx(0.0, abs=1e-6) and moe.kl > 1e-4
     from conftest import load
-    from moeify.evaluate import load_tokenizer, make_windows, tokenize
-    from moeify.evaluate import read_text
+    from moeify.text import load_tokenizer, make_windows, read_text, tokenize
 
     ids = tokenize(load_tokenizer(dense_path), read_text(str(text_file))[0], MAX_TOKENS)
     a, b = load(dense_path)[0], load(moe_path)[0]

@@ -31,7 +31,7 @@ def test_the_layer_contracts_hold():
      ["moeify's layers", "the tune stage", "no import cycles"]),  # (and through it, tune's own run module)
     ("config.py", "from .plan import plan_moe", ["moeify's layers", "no import cycles"]),  # settings importing a tool
     ("tune/state.py", "from .run import tune_output", ["the tune stage", "no import cycles"]),  # inside the package
-    ("budget.py", "from .evaluate import encode_text", ["moeify's layers"]),  # upward without a cycle
+    ("budget.py", "from .evaluate import evaluate", ["moeify's layers"]),  # upward without a cycle
 ])
 def test_the_contracts_catch_an_upward_import_or_a_cycle(tmp_path, module, line, broken):
     shutil.copytree(ROOT / "moeify", tmp_path / "moeify", ignore=shutil.ignore_patterns("__pycache__"))
