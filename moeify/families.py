@@ -283,11 +283,6 @@ def routed_factor(fmt: str, experts: int, top_k: int) -> int:
     return top_k if renormalises(fmt) else experts
 
 
-def moe_prefix(fmt: str, layer_idx: int) -> str:
-    """The name prefix of one layer's FFN block in the format."""
-    return f"model.layers.{layer_idx}.{'block_sparse_moe' if fmt == 'mixtral' else 'mlp'}."
-
-
 def ffn_tensor_names(fmt: str, layer_idx: int, experts: int, dense: bool, shared: bool) -> list[str]:
     """Output names of one layer's FFN tensors, in the order the converter writes them."""
     if fmt == "mixtral":

@@ -40,14 +40,17 @@ class Routing(torch.nn.Module):
         return x.float() @ (self.router * self.log_scale.exp()).T
 
 
+RENORMALISED = ("mixtral", "qwen3_moe")  # formats whose top-k weights are renormalised (families.renormalises)
+
+
 class MaskedMoE(torch.nn.Module):
     """A carved FFN as the exported MoE block computes it, in the dense neuron order.
 
     gate/up: (d_ff, d_model), down: (d_model, d_ff) as carved (without the factor k / N of the export), router:
     (E, d_model) before the unit-gate scale, scale: that scale (> 0), labels: (d_ff,) expert of each neuron (-1:
     shared, always on with weight 1, or with shared_gate c: 2 sigmoid(c sum(x)), Qwen2-MoE's constant gate row c
-    with the shared down_proj x 2 of the export). fmt "mixtral": gate weights are the top-k softmax probabilities renormalised,
-    times k; "qwen2_moe": the softmax probabilities over all experts (not renormalised), times N."""
+    with the shared down_proj x 2 of the export). fmt "mixtral" (and "qwen3_moe", written with norm_topk_prob true):
+    gate weights are the top-k softmax probabilities renormalised, times k; "qwen2_moe": the softmax probabilities over all experts (not renormalised), times N."""
 
     def __init__(self, gate, up, down, router: torch.Tensor, scale: float, labels: torch.Tensor, top_k: int,
                  fmt: str = "mixtral", shared_gate: float | None = None):
@@ -86,7 +89,7 @@ class MaskedMoE(torch.nn.Module):
             logits = self.routing(x)
             probs = logits.softmax(-1)
             idx = logits.topk(self.top_k, dim=1).indices
-            if self.fmt == "mixtral":  # every expert's weight were it chosen: renormalised over the top-k, times k
+            if self.fmt in RENORMALISED:  # every expert's weight were it chosen: renormalised over the top-k, times k
                 w_all = probs / probs.gather(1, idx).sum(1, keepdim=True) * self.top_k
             else:
                 w_all = probs * n_exp

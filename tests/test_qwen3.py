@@ -119,3 +119,16 @@ def test_the_same_share_layout_takes_a_quantizable_width():
     # a share no divisor reaches within 2 points still gives the nearest count
     n, k = same_share_layout(96, 0.5)
     assert k == 16 and 96 % n == 0
+
+
+def test_the_tuning_students_block_computes_what_the_exported_qwen3_moe_block_computes(tmp_path, tokenizer_dir):
+    """Qwen3-MoE renormalises its top-k weights (norm_topk_prob true): the student's MaskedMoE must too, or tuning
+    would start from another model than the output it tunes. Top-2 of 4 with gate weights far from 1/k."""
+    from test_tune import _masked_moe_from_output
+
+    src = build_dense(tmp_path / "dense", tokenizer_dir, initializer_range=0.3, **QWEN3)
+    student, moe = _masked_moe_from_output(tmp_path, src, "qwen3_moe")
+    x = moe.model.layers[1].post_attention_layernorm(torch.randn(2, 10, 64, generator=torch.Generator().manual_seed(0)))
+    with torch.no_grad():
+        got, ref = student(x), moe.model.layers[1].mlp(x)
+    assert (got - ref).abs().max().item() <= 2e-3 * ref.abs().max().item(), (got - ref).abs().max()
