@@ -5,73 +5,24 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from rich.text import Text
 
 from .errors import MoeifyError
+from .terminal import console, out_console, progress_bars, stage_callback
 
 app = typer.Typer(
     help="Carve a dense LLaMA/Mistral/Qwen2/Qwen3 checkpoint into a Mixture-of-Experts checkpoint, and measure the cost.",
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
     rich_markup_mode=None,  # help texts say "[default: ...]"; as rich markup those brackets would vanish
 )
-console = Console(stderr=True)
-out_console = Console()
-
-
 def _fail(exc: MoeifyError) -> None:
     console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)  # e.g. moeify[plot]
     raise typer.Exit(2)
-
-
-def _stage_callback(bar: Progress):
-    """A progress callback (stage, done, total) that shows one bar per stage."""
-    tasks: dict[str, int] = {}
-
-    logged: dict[str, float] = {}
-
-    def on_progress(stage: str, done: int, total: int, note: str = "") -> None:
-        if stage not in tasks:
-            tasks[stage] = bar.add_task(stage, total=total)
-            logged[stage] = time.time()
-        bar.update(tasks[stage], completed=done, description=f"{stage}: {note}" if note else stage)
-        if not bar.console.is_terminal and (time.time() - logged[stage] >= LOG_EVERY or done == total):
-            # no live bar in a log file (nohup, a batch job): a plain line now and then instead
-            logged[stage] = time.time()
-            task = bar.tasks[tasks[stage]]
-            eta = f", {task.time_remaining / 60:.0f} min left" if task.time_remaining and done < total else ""
-            bar.console.print(f"{time.strftime('%H:%M:%S')} {stage}: {done:,}/{total:,}{eta}" + (f" ({note})" if note
-                              else ""), highlight=False, soft_wrap=True)
-
-    return on_progress
-
-
-LOG_EVERY = 60.0  # seconds between progress lines when stderr is not a terminal
-
-
-class _CountColumn(ProgressColumn):
-    """done/total, in k / M past ten thousand (token counts), so a bar fits an 80-column terminal."""
-
-    @staticmethod
-    def _short(n: float) -> str:
-        if n >= 1e6:
-            return f"{n / 1e6:.2f}M"
-        return f"{n / 1e3:.0f}k" if n >= 1e4 else f"{int(n)}"
-
-    def render(self, task) -> Text:
-        return Text(f"{self._short(task.completed)}/{self._short(task.total or 0)}", style="progress.download")
-
-
-def _progress() -> Progress:
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(bar_width=12), _CountColumn(),
-                    TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=False)
 
 
 JSON_HELP = "Write them as JSON to this file, or to stdout with '-' (the tables then go to stderr)."
@@ -110,7 +61,7 @@ def _run_eval(models: list[Path], data: Optional[str], settings, json_dest: Opti
 
     if plot:
         require_matplotlib()
-    with _progress() as bar:
+    with progress_bars() as bar:
         tasks: dict[str, int] = {}
 
         def on_progress(stage: str, done: int, total: int) -> None:
@@ -311,8 +262,8 @@ def convert(
             if json_dest:
                 _write_json(plan.summary(), json_dest)
             return
-        with _progress() as bar:
-            on_progress = _stage_callback(bar)
+        with progress_bars() as bar:
+            on_progress = stage_callback(bar)
             report = run_conversion(plan, out, overwrite=overwrite, progress=on_progress, memory_check=memory_check)
         print_result(tables, report, out)
         if json_dest:
@@ -435,9 +386,9 @@ def tune(
             tune_output(src, out, opts, resume=resume, restart=restart, device=device, save_every=save_every,
                         given=given if resume else None, memory_check=memory_check, offload=offload)
             return
-        with _progress() as bar:
+        with progress_bars() as bar:
             report = tune_output(src, out, opts, resume=resume, restart=restart, device=device, save_every=save_every,
-                                 progress=_stage_callback(bar), given=given if resume else None,
+                                 progress=stage_callback(bar), given=given if resume else None,
                                  memory_check=memory_check, offload=offload,
                                  notify=lambda msg: console.print(f"[yellow]{escape(msg)}[/]", highlight=False))
         print_tuning(_tables(json_dest), report, out=out)
@@ -519,8 +470,8 @@ def inspect_cmd(
     from .report import print_inspect
 
     try:
-        with _progress() as bar:
-            on_progress = _stage_callback(bar)
+        with progress_bars() as bar:
+            on_progress = stage_callback(bar)
             result = run_inspect(out, dense=dense, data=data, max_tokens=max_tokens, layers=layers,
                                  out_dir=output_dir, plots=plots, progress=on_progress)
     except MoeifyError as exc:
@@ -557,8 +508,8 @@ def verify_cmd(
     from .verify import verify_checkpoint
 
     try:
-        with _progress() as bar:
-            on_progress = _stage_callback(bar)
+        with progress_bars() as bar:
+            on_progress = stage_callback(bar)
             result = verify_checkpoint(out, against, values=values, logits=logits, allow_pickle=allow_pickle,
                                        seq_len=seq_len, progress=on_progress)
     except MoeifyError as exc:
