@@ -20,6 +20,8 @@ app = typer.Typer(
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
     rich_markup_mode=None,  # help texts say "[default: ...]"; as rich markup those brackets would vanish
 )
+
+
 def _fail(exc: MoeifyError) -> None:
     console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)  # e.g. moeify[plot]
     raise typer.Exit(2)
