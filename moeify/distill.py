@@ -237,6 +237,11 @@ class WindowStream:
         self.order, self.pos, self.passes = tensors["stream.order"].clone(), int(meta["pos"]), int(meta["passes"])
 
 
+def eager_forwards(teacher, student) -> tuple[Callable, Callable]:
+    """(teacher's final hidden states of a micro-batch, student's), uncompiled."""
+    return (lambda ids: final_hidden(teacher, ids)), (lambda ids: final_hidden(student, ids))
+
+
 def compiled_forwards(teacher, student, settings: DistillSettings) -> tuple[Callable, Callable, bool]:
     """(teacher's final hidden states, student's, compiled or not) for the training step: final_hidden itself, or
     each model's decoder stack through torch.compile (static shapes: a step's micro-batches are one size) where
@@ -244,7 +249,7 @@ def compiled_forwards(teacher, student, settings: DistillSettings) -> tuple[Call
     the models' parameters; the held-out checks stay eager (other batch sizes would recompile)."""
     want = os.environ.get("MOEIFY_COMPILE_MODEL", "1" if settings.compile_model else "0") == "1"
     if not want or os.environ.get("MOEIFY_COMPILE", "1") == "0":
-        return (lambda ids: final_hidden(teacher, ids)), (lambda ids: final_hidden(student, ids)), False
+        return (*eager_forwards(teacher, student), False)
     backend = os.environ.get("MOEIFY_COMPILE_BACKEND", "inductor")
     ct, cs = (torch.compile(m.model, dynamic=False, backend=backend) for m in (teacher, student))
     return (lambda ids: ct(input_ids=ids).last_hidden_state), (lambda ids: cs(input_ids=ids).last_hidden_state), True
@@ -259,7 +264,7 @@ def accumulate_kl(teacher, student, batch: torch.Tensor, head: torch.Tensor, ctx
     hidden states of a micro-batch (compiled_forwards; default final_hidden). Returns the step's mean KL as a 0-dim
     tensor (read with .item() only when it is shown or saved)."""
     device, step_kl = next(student.parameters()).device, None
-    fwd_t, fwd_s = forwards or ((lambda ids: final_hidden(teacher, ids)), (lambda ids: final_hidden(student, ids)))
+    fwd_t, fwd_s = forwards or eager_forwards(teacher, student)
     size = max(1, settings.micro_windows)
     if device.type == "cuda":  # the step's windows copied once, without waiting for the GPU's queue
         batch = batch.pin_memory().to(device, non_blocking=True)

@@ -25,6 +25,7 @@ import torch
 
 from .checkpoint import DTYPE_NAMES, TensorInfo
 from .errors import MoeifyError
+from .moe_block import RENORMALISED
 
 SOURCE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # transformers' classes of each source family: (config, decoder layer, rotary embedding), in models/<family>/
@@ -274,7 +275,7 @@ def target_config(src: SourceModel, fmt: str, *, experts: int, top_k: int, exper
 def renormalises(fmt: str) -> bool:
     """Whether the format's top-k softmax weights are renormalised over the chosen experts as we write it: Mixtral
     always, Qwen3-MoE with `norm_topk_prob: true`; our Qwen2-MoE not (`norm_topk_prob: false`)."""
-    return fmt in ("mixtral", "qwen3_moe")
+    return fmt in RENORMALISED
 
 
 def routed_factor(fmt: str, experts: int, top_k: int) -> int:

@@ -40,7 +40,7 @@ class Routing(torch.nn.Module):
         return x.float() @ (self.router * self.log_scale.exp()).T
 
 
-RENORMALISED = ("mixtral", "qwen3_moe")  # formats whose top-k weights are renormalised (families.renormalises)
+RENORMALISED = ("mixtral", "qwen3_moe")  # formats whose top-k weights are renormalised (read by families.renormalises)
 
 
 class MaskedMoE(torch.nn.Module):
@@ -50,7 +50,8 @@ class MaskedMoE(torch.nn.Module):
     (E, d_model) before the unit-gate scale, scale: that scale (> 0), labels: (d_ff,) expert of each neuron (-1:
     shared, always on with weight 1, or with shared_gate c: 2 sigmoid(c sum(x)), Qwen2-MoE's constant gate row c
     with the shared down_proj x 2 of the export). fmt "mixtral" (and "qwen3_moe", written with norm_topk_prob true):
-    gate weights are the top-k softmax probabilities renormalised, times k; "qwen2_moe": the softmax probabilities over all experts (not renormalised), times N."""
+    gate weights are the top-k softmax probabilities renormalised, times k; "qwen2_moe": the softmax probabilities
+    over all experts (not renormalised), times N."""
 
     def __init__(self, gate, up, down, router: torch.Tensor, scale: float, labels: torch.Tensor, top_k: int,
                  fmt: str = "mixtral", shared_gate: float | None = None):
