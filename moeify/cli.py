@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -12,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from .errors import MoeifyError
+from .errors import MoeifyError, ParallelError
 from .terminal import console, out_console, progress_bars, stage_callback
 
 app = typer.Typer(
@@ -230,6 +231,10 @@ def convert(
     from .report import print_plan, print_result
 
     try:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # every rank would write OUT at once
+            raise MoeifyError("convert runs in one process, not under torchrun / accelerate launch",
+                              f"carve in one process (moeify convert {src} {out} --no-tune ...), then tune across "
+                              f"processes: torchrun --nproc-per-node G -m moeify tune {src} {out} --tokens N")
         if weight_only and calib:
             raise MoeifyError("--weight-only and --calib contradict each other", "pass one of them")
         notes: list[str] = []
@@ -343,6 +348,10 @@ def tune(
                                            "80 GB GPU [default: when the GPU is too small otherwise]."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Time a few tuning steps and the sampling, measure peak "
                                  "memory, print the estimated time of the run, and write nothing."),
+    timeout: Optional[float] = typer.Option(None, "--timeout", metavar="SECONDS", help="Across processes "
+                                            "(torchrun): how long a rank waits for the others at a phase or in a "
+                                            "collective before every rank stops with an error naming the late "
+                                            "rank [default: $MOEIFY_TIMEOUT, else 600]."),
     json_dest: Optional[str] = _json_option("The tuned output's report (--dry-run: the estimate)."),
 ) -> None:
     """Recovery tuning of a moeify output: distil its experts and routers towards the dense source's next-token
@@ -354,8 +363,6 @@ def tune(
 
     Example: moeify tune path/to/Llama-3-8B out/llama-moe --tokens 1048576
     """
-    import os
-
     from .report import print_tuning
     from .tune import TuneOptions, TuningInterrupted, tune_output
 
@@ -386,25 +393,33 @@ def tune(
             return
         if rank:  # a process of a torchrun / accelerate launch other than the first: rank 0 reports
             tune_output(src, out, opts, resume=resume, restart=restart, device=device, save_every=save_every,
-                        given=given if resume else None, memory_check=memory_check, offload=offload)
+                        given=given if resume else None, memory_check=memory_check, offload=offload,
+                        timeout=timeout)
             return
         with progress_bars() as bar:
             report = tune_output(src, out, opts, resume=resume, restart=restart, device=device, save_every=save_every,
                                  progress=stage_callback(bar), given=given if resume else None,
-                                 memory_check=memory_check, offload=offload,
+                                 memory_check=memory_check, offload=offload, timeout=timeout,
                                  notify=lambda msg: console.print(f"[yellow]{escape(msg)}[/]", highlight=False))
         print_tuning(_tables(json_dest), report, out=out)
         if json_dest:
             _write_json(report, json_dest)
+    except ParallelError as exc:  # every rank says it: the rank that would report may be the one that is gone
+        console.print(f"[bold red]error:[/] rank {rank}: {escape(str(exc))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
     except MoeifyError as exc:
-        if rank:
+        if rank:  # rank 0 says it (every rank refuses what any refuses)
             raise typer.Exit(2)
         _fail(exc)
     except TuningInterrupted:
+        if rank:
+            raise typer.Exit(130)
         _interrupted_tuning(src, out)
     except KeyboardInterrupt:
         from .tune import state_dir
 
+        if rank:
+            raise typer.Exit(130)
         if (state_dir(out) / "run.json").is_file():
             _interrupted_tuning(src, out)
         console.print(f"[bold red]interrupted[/]: {escape(str(out))} was left as it was")

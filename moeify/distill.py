@@ -500,6 +500,7 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
         for g, lr in zip(opt.param_groups, base_lrs):
             g["lr"] = lr * lr_at(step - 1)
         opt.zero_grad(set_to_none=True)
+        par.at(f"step {step:,} of the tuning loop")
         idx = stream.take_indices(per_step)[par.rank::par.world]  # this rank's share of the step's windows
         step_kl = par.mean(accumulate_kl(teacher, student, train[idx], head, ctx, settings,
                                          None if targets is None else [targets(int(i)) for i in idx],

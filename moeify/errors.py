@@ -1,4 +1,5 @@
-"""The one exception that user mistakes raise. The CLI prints it on one line and exits with 2."""
+"""The one exception that user mistakes raise (and its kind for a multi-process run that cannot go on). The CLI prints
+it on one line and exits with 2."""
 
 
 class MoeifyError(Exception):
@@ -8,3 +9,9 @@ class MoeifyError(Exception):
         self.what = what
         self.hint = hint
         super().__init__(f"{what}{' — ' + hint if hint else ''}")
+
+
+class ParallelError(MoeifyError):
+    """A run across processes that cannot go on: a rank did not arrive within the collective timeout, a collective
+    failed (another rank died), or a stop did not finish in time. Every rank that sees it prints it, not only rank 0
+    (the rank that would report may be the one that is gone)."""

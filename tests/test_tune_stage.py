@@ -444,8 +444,11 @@ class _OtherRankBusier:
     def any(self, flag: bool) -> bool:
         return True
 
-    def barrier(self) -> None:
+    def arrive(self, phase: str, then: str | None = None) -> None:
         pass
+
+    def share(self, value):
+        return value() if callable(value) else value
 
 
 def test_two_processes_under_bf16_autocast_compute_the_experts_by_fsdp2s_mixed_precision(carved, tmp_path):

@@ -109,15 +109,19 @@ def sampled_windows(teacher, real: torch.Tensor, n_windows: int, seed: int, fold
     prompts = torch.stack([w[o:o + n_prompt] for w, o in zip(starts, offs)])
     folder.mkdir(exist_ok=True)
     meta = folder / "batch.json"
-    if meta.is_file():  # a resumed run samples its remaining batches at the size its first ones were
-        size = int(json.loads(meta.read_text())["sample_batch"])
-    elif any(folder.glob("batch-*.safetensors")):  # batches saved before batch.json was kept: all were 64
-        size = SAMPLE_BATCH
-    else:
-        size = sample_batch_for(teacher, seq, n_windows, par)
-    par.barrier()  # every rank has looked for batch.json before it is written
-    if par.main and not meta.is_file():
-        meta.write_text(json.dumps({"sample_batch": size}))
+
+    def saved_size() -> int | None:  # rank 0's look, shared: no rank reads batch.json while rank 0 writes it
+        if meta.is_file():  # a resumed run samples its remaining batches at the size its first ones were
+            return int(json.loads(meta.read_text())["sample_batch"])
+        if any(folder.glob("batch-*.safetensors")):  # batches saved before batch.json was kept: all were 64
+            return SAMPLE_BATCH
+        return None
+
+    size = par.share(saved_size)
+    if size is None:
+        size = sample_batch_for(teacher, seq, n_windows, par)  # on every rank (a collective on GPUs)
+        if par.main:
+            meta.write_text(json.dumps({"sample_batch": size}))
     n_batches = -(-n_windows // size)
     # a GPU decoding without kept hidden states is compiled (CUDA graphs): the last batch padded to the same shape
     compiled = not keep_hidden and next(teacher.parameters()).device.type == "cuda"
@@ -140,7 +144,7 @@ def sampled_windows(teacher, real: torch.Tensor, n_windows: int, seed: int, fold
             sample_text(teacher, prompts[:1], seq - n_prompt, 0, batch=1, keep_hidden=True, bf16=bf16)  # 1 window
         if progress:
             progress("sampling tuning text", min((first + par.world) * size, n_windows) * seq, n_windows * seq)
-    par.barrier()
+    par.arrive("the end of the sampling", then="the tuning text")  # every rank's batch files are written
     return torch.cat([load_file(str(folder / f"batch-{b:05d}.safetensors"))["windows"]
                       for b in range(n_batches)]), size
 
@@ -182,7 +186,8 @@ def tuning_data(root: Path, src_path: Path, base: BaseOutput, opts: TuneOptions,
 
     par = par or Parallel()
     f = root / "data.safetensors"
-    if not f.is_file():
+    par.arrive("the tuning text")
+    if par.share(lambda: not f.is_file()):  # rank 0's look, shared: it writes the file below
         real, held, text = real or real_windows(src_path, text_sources(base, opts), seq)
         train, held_parts = [real], [held]
         n_gen = round(opts.generated * opts.tokens / seq)
@@ -201,7 +206,7 @@ def tuning_data(root: Path, src_path: Path, base: BaseOutput, opts: TuneOptions,
         if par.main:
             (root / "data.json").write_text(json.dumps(text))
             _atomic_save({"train": train.contiguous(), "held_out": held_out.contiguous()}, f)
-        par.barrier()
+        par.arrive("the end of the tuning text")
     data, text = load_file(str(f)), json.loads((root / "data.json").read_text())
     gen = text.get("generated")
     targets = (TeacherTargets(root / "sampled", gen["first_train_window"], gen["held_out"], gen["sample_batch"])

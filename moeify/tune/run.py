@@ -140,7 +140,8 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
                 restart: bool = False, device: str = "auto", save_every: float = SAVE_EVERY,
                 progress: Progress | None = None, notify: Callable[[str], None] | None = None,
                 base: Path | None = None, given: dict | None = None, memory_check: bool = True,
-                offload: bool | None = None, precompute_targets: bool | None = None) -> dict:
+                offload: bool | None = None, precompute_targets: bool | None = None,
+                timeout: float | None = None) -> dict:
     """Tune the moeify output OUT (or `base`, the carve convert has just written) towards its dense source SRC and
     write the result to OUT all or nothing. Returns the new report.json.
 
@@ -151,35 +152,67 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
     (nothing on disk: at 16M tokens the sampled text's would be 9.7 GB for SmolLM2, 69 GB at 8B); None: in the loop
     on one GPU where it fits (sizing.teacher_inline), the pass elsewhere. A resumed run keeps its own.
     resume: continue the interrupted run saved in OUT.moeify-tune (opts None: its own; `given`, the options the
-    caller set explicitly, must agree with it). restart: discard such a state and start anew."""
+    caller set explicitly, must agree with it). restart: discard such a state and start anew.
+    timeout: across processes, the seconds a rank waits for the others (moeify.parallel.collective_timeout).
+
+    Across processes every rank checks the inputs and any rank's refusal is every rank's; rank 0 decides what
+    depends on the device or on files (offload, the step, the teacher's place, the state found) and shares it."""
     from ..parallel import setup
 
     src, out = Path(src), Path(out)
     root = state_dir(out)
-    par = setup(resolve_device(device))
-    run = check_run(src, out, opts, resume=resume, restart=restart, base=base, given=given, world=par.world)
-    check_free_space(out, sum(f.stat().st_size for f in run.base.glob("*.safetensors")), overwrite=True)
-    offload = fit_memory(src, run.bo, run.opts, par, offload, memory_check, notify if par.main else None)
-    if resume:  # as the interrupted run stepped (states from before these were recorded: 1 window, a teacher pass)
-        recorded = read_run(root)
-        micro, teacher = int(recorded.get("micro_windows", 1)), recorded.get("teacher", "pass")
-    else:  # on one GPU the teacher in the loop where it fits; the device's step (recorded in the options)
-        inline = (teacher_inline(src, run.bo, run.opts, run.seq, par.device, par.world, bool(offload))
+    par = setup(resolve_device(device), timeout)
+    par.resume_hint = resume_command(src, out)
+    try:
+        return _tune_across(src, out, root, par, opts, resume=resume, restart=restart, save_every=save_every,
+                            progress=progress, notify=notify, base=base, given=given, memory_check=memory_check,
+                            offload=offload, precompute_targets=precompute_targets)
+    except RuntimeError as exc:
+        failed = par.failure(exc)
+        if failed is None:
+            raise
+        raise failed from None
+    finally:
+        par.close()
+
+
+def _tune_across(src: Path, out: Path, root: Path, par, opts: TuneOptions | None, *, resume: bool, restart: bool,
+                 save_every: float, progress, notify, base: Path | None, given: dict | None, memory_check: bool,
+                 offload: bool | None, precompute_targets: bool | None) -> dict:
+    """tune_output's run on every rank (one, or each of a torchrun's): its checks agreed, its decisions shared."""
+    def checks():
+        run = check_run(src, out, opts, resume=resume, restart=restart, base=base, given=given, world=par.world)
+        if par.main:  # only rank 0 writes
+            check_free_space(out, sum(f.stat().st_size for f in run.base.glob("*.safetensors")), overwrite=True)
+        return run, fit_memory(src, run.bo, run.opts, par, offload, memory_check, notify if par.main else None)
+
+    run, fits = par.agree(checks, "checking the inputs")  # one rank's refusal is every rank's
+    offload_on = bool(par.share(fits))  # each rank's device memory may differ: rank 0's choice for all
+
+    def steps() -> dict:
+        if resume:  # as the interrupted run stepped (states from before these were recorded: 1 window, a pass)
+            recorded = read_run(root)
+            return {"micro": int(recorded.get("micro_windows", 1)), "teacher": recorded.get("teacher", "pass"),
+                    "step": None}
+        # on one GPU the teacher in the loop where it fits; the device's step (recorded in the options)
+        inline = (teacher_inline(src, run.bo, run.opts, run.seq, par.device, par.world, offload_on)
                   if precompute_targets is None else not precompute_targets)
-        step, micro = step_size(src, run.bo, run.opts, run.seq, par.device, par.world, bool(offload), inline)
-        run = dataclasses.replace(run, opts=dataclasses.replace(run.opts, step_tokens=step))
-        teacher = "inline" if inline else "pass"
+        step, micro = step_size(src, run.bo, run.opts, run.seq, par.device, par.world, offload_on, inline)
+        return {"micro": micro, "teacher": "inline" if inline else "pass", "step": step}
+
+    chosen = par.share(steps)
+    micro, teacher = chosen["micro"], chosen["teacher"]
+    if chosen["step"] is not None:
+        run = dataclasses.replace(run, opts=dataclasses.replace(run.opts, step_tokens=chosen["step"]))
     run_index = len(run.bo.runs)
     seed = run.opts.seed if run.opts.seed is not None else run.bo.cfg.seed + 1000 * run_index
-    par.barrier()  # every rank has checked the same files before rank 0 changes them
-    if par.main:
-        begin_state(root, src, run, resume=resume, restart=restart, seed=seed, run_index=run_index, world=par.world,
-                    micro_windows=micro, teacher=teacher)
-    par.barrier()
+    par.agree(lambda: par.main and begin_state(root, src, run, resume=resume, restart=restart, seed=seed,
+                                               run_index=run_index, world=par.world, micro_windows=micro,
+                                               teacher=teacher), "beginning the state directory")
     try:
         return _tune(src, out, root, run, par, seed=seed, resume=resume, save_every=save_every,
                      progress=progress if par.main else None, notify=notify if par.main else None,
-                     offload=offload, micro_windows=micro, precompute_targets=teacher == "pass")
+                     offload=offload_on, micro_windows=micro, precompute_targets=teacher == "pass")
     except MoeifyError:
         if par.main and not resume:
             discard_unworked_state(root)
@@ -197,7 +230,7 @@ def _tune(src: Path, out: Path, root: Path, run: CheckedRun, par, *, seed: int, 
     if par.on and not precompute_targets:
         raise ValueError("across processes the teacher is sharded and runs in step on every rank: only the teacher "
                          "pass (precompute_targets) can run it")
-    teacher = load_teacher(src, dev, par)
+    teacher = par.agree(lambda: load_teacher(src, dev, par), "loading the teacher")
     teacher_bytes = local_bytes(teacher)
     schedule_from = opts.schedule_from(sum(int(r.get("tokens", 0)) for r in bo.runs))
     settings = DistillSettings(tokens=opts.tokens, lr=opts.lr, train_router=opts.train_router,
@@ -210,6 +243,7 @@ def _tune(src: Path, out: Path, root: Path, run: CheckedRun, par, *, seed: int, 
                                              real=run.real, keep_hidden=precompute_targets)
     held_targets = None
     if precompute_targets:
+        par.arrive("the teacher pass")
         targets, held_targets = teacher_pass(root, teacher, train, held, targets, settings, progress, par)
         free_teacher_ffns(teacher, bo)
         release_memory()
@@ -222,9 +256,11 @@ def _tune(src: Path, out: Path, root: Path, run: CheckedRun, par, *, seed: int, 
         student = tuning_student(teacher, bo, reader, par, opts.train_attention, bf16)
         state = TuningState(root, save_every, par)
         saved = state.load()
+        par.arrive("the tuning loop")
         with _stop_on_signal(state, notify):
             info = distill(teacher, student, train, held, settings, progress=progress, state=state, resume=saved,
                            targets=targets, par=par, held_targets=held_targets)
+        par.arrive("writing the output")
         if par.sharded:
             gather_student(student, teacher, keep=par.main)
     except BaseException:
@@ -260,7 +296,7 @@ def _tune(src: Path, out: Path, root: Path, run: CheckedRun, par, *, seed: int, 
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         shutil.rmtree(root, ignore_errors=True)
-    reader.close()
-    par.barrier()
-    par.close()
+    reader.close()  # the other ranks do not wait for rank 0's write (a 70B output takes longer than any timeout)
+    if par.own_group:
+        par.close()
     return report

@@ -183,7 +183,7 @@ class TuningState:
         self._best = name
 
     def kept(self) -> SavedTensors:
-        self.par.barrier()  # rank 0 has written it
+        self.par.arrive("reading the kept weights")  # rank 0 has written them
         return SavedTensors(self.root / self._best)
 
     def checkpoint(self, step: int, total: int, snapshot) -> None:
@@ -196,6 +196,7 @@ class TuningState:
             self.stop_requested = self.par.any(self.stop_requested)
         if not due:
             return
+        self.par.arrive("saving a snapshot")
         tensors, meta = snapshot()  # on every rank: gathering sharded tensors is a collective
         meta["best_file"] = self._best
         name = f"state-{step}.safetensors"
@@ -206,14 +207,16 @@ class TuningState:
             for f in self.root.glob("*.safetensors"):
                 if f.name.startswith(("state-", "best-")) and f.name not in (name, self._best):
                     f.unlink(missing_ok=True)
-        self.par.barrier()
+        self.par.arrive("the end of a snapshot", then=f"the tuning loop (after step {step:,})")
         self._last = time.time()
         if self.stop_requested and step < total:
             raise TuningInterrupted(step, total)
 
     def load(self) -> tuple[dict, dict] | None:
-        """The last saved snapshot (its tensors, read on demand, and its metadata), None before the first save."""
-        saved = read_snapshot(self.root)
+        """The last saved snapshot (its tensors, read on demand, and its metadata), None before the first save.
+        Across processes rank 0 reads state.json and every rank resumes from what it found (a fresh run runs
+        collectives a resumed one skips: no rank decides that from its own look at a file rank 0 writes)."""
+        saved = self.par.share(lambda: read_snapshot(self.root))
         if saved is None:
             return None
         self._best = saved["meta"]["best_file"]

@@ -123,7 +123,7 @@ def teacher_pass(root: Path, teacher, train: torch.Tensor, held: torch.Tensor, t
             progress("teacher targets", done_tokens, total_tokens)
     if par.main:
         (folder / "complete.json").write_text(json.dumps({"real_windows": len(real), "held_out": int(held.shape[0])}))
-    par.barrier()
+    par.arrive("the end of the teacher pass")  # every rank's target files are written
     if targets is None:
         targets = TeacherTargets(root / "sampled", first, 0, SAMPLE_BATCH)
     held_t = torch.empty(0)
