@@ -1,0 +1,58 @@
+#!/bin/bash
+# Granularity on real models (issue 45): the same preset carved at finer and coarser slices of d_ff, with the same
+# calibration text, scored on the same four held-out texts as the scale runs (scripts/bench_scale_qwen05.sh: first
+# 8,192 tokens, windows of 256, float32; WikiText-2, Shakespeare, GPL-3, Python's argparse.py), training-free and
+# after tuning on 65,536 fresh tokens (`moeify tune`, the presets' defaults). Each step writes its result file at once
+# under results/granularity/:
+#     bash scripts/bench_granularity.sh STEP...      e.g.  q25-76 q25-76-tune q25-152 s25-96 layers
+# A step is MODEL PRESET - SLICES [-tune]: q = Qwen2.5-Coder-0.5B (d_ff 4,864), s = SmolLM2-135M (d_ff 1,536);
+# 25 or 50 (configs/active-25.toml, active-50.toml); slices = routed + shared experts, each d_ff / slices wide.
+# `layers` summarises the per-layer errors of every carve made so far (scripts/layer_errors.py).
+# Where the preset's own shared share would need top-k > 16 (llama.cpp's limit), the shared expert takes the
+# difference (same active share, top-16): q25-152, q50-76 and s50-96.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CALIB=../shared/corpora/wikitext2/calib_train_200k.txt
+CODE=$(.venv/bin/python -c 'import argparse; print(argparse.__file__)')
+TEXTS="../shared/corpora/wikitext2/valid.txt ../shared/corpora/tinyshakespeare/valid.txt /usr/share/common-licenses/GPL-3 $CODE"
+THREADS=${THREADS:-2}
+RESULTS=results/granularity
+declare -A SRC=([q]=models/qwen2.5-coder-0.5b [s]=models/smollm2-135m)
+declare -A NAME=([q]=qwen05 [s]=smollm2)
+# MODEL PRESET SLICES -> "routed shared top-k"
+declare -A LAYOUT=(
+  [q-25-38]="33 5 5"  [q-25-76]="66 10 9"   [q-25-152]="130 22 16"
+  [q-50-38]="28 10 9" [q-50-76]="54 22 16"
+  [s-25-48]="42 6 6"  [s-25-64]="56 8 8"    [s-25-96]="84 12 12"
+  [s-50-48]="36 12 12" [s-50-64]="48 16 16" [s-50-96]="64 32 16"
+)
+mkdir -p $RESULTS out
+score() {  # OUT LABEL JSON
+  local m=$1; shift
+  .venv/bin/python scripts/bench_curve.py ${SRC[$m]} "$1" --eval $TEXTS --threads $THREADS --label "$2" --json "$3"
+}
+for step in "$@"; do
+  if [ "$step" = layers ]; then
+    .venv/bin/python scripts/layer_errors.py $(ls -d out/gran-*/ | grep -v -- '-tune' | grep -v moeify-tune) \
+      --json $RESULTS/layer-errors.json
+    continue
+  fi
+  IFS=- read -r mp u tune <<< "$step"
+  m=${mp:0:1}; p=${mp:1}
+  key=$m-$p-$u
+  [ -n "${LAYOUT[$key]:-}" ] || { echo "unknown step $step (known: ${!LAYOUT[*]})" >&2; exit 2; }
+  read -r n s k <<< "${LAYOUT[$key]}"
+  out=out/gran-$m$p-$u
+  width=$(( $( [ $m = q ] && echo 4864 || echo 1536 ) / u ))
+  label="active-$p, $u x $width (shared $s + top-$k of $n), ${NAME[$m]}"
+  if [ -z "$tune" ]; then
+    /usr/bin/time -v .venv/bin/moeify convert ${SRC[$m]} $out --preset configs/active-$p.toml --experts $n \
+      --shared $s --top-k $k --calib $CALIB --no-tune --overwrite --json $out.convert.json > $out.convert.log 2>&1
+    score $m $out "training-free, $label" $RESULTS/${NAME[$m]}-active$p-${u}x$width-trainingfree.json
+  else
+    t=out/gran-$m$p-$u-tune
+    rm -rf $t $t.moeify-tune; cp -r $out $t
+    /usr/bin/time -v .venv/bin/moeify tune ${SRC[$m]} $t --tokens 65536 --json $t.tune.json > $t.tune.log 2>&1
+    score $m $t "65,536 tokens, $label" $RESULTS/${NAME[$m]}-active$p-${u}x$width-65k.json
+  fi
+done
