@@ -311,7 +311,7 @@ class CheckpointReader:
 
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows start:stop (dim 0) of one tensor, reading only their bytes (a process's shard of a tensor it
-        shards across processes: moeify.tune.load_teacher); NaN/Inf are refused as in get()."""
+        shards across processes: moeify.tuning.load_teacher); NaN/Inf are refused as in get()."""
         path, info = self.file_of.get(name), self.tensors.get(name)
         if path is None or info is None:
             raise MoeifyError(f"tensor {name} is missing from {self.root}", "the checkpoint is incomplete or not a supported layout")

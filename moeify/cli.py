@@ -23,6 +23,20 @@ app = typer.Typer(
 )
 
 
+def _version(value: bool) -> None:
+    if value:
+        from .version import __version__
+
+        typer.echo(f"moeify {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print moeify's version and exit.")) -> None:
+    """Carve a dense LLaMA/Mistral/Qwen2/Qwen3 checkpoint into a Mixture-of-Experts checkpoint, and measure the cost."""
+
+
 def _fail(exc: MoeifyError) -> None:
     console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)  # e.g. moeify[plot]
     raise typer.Exit(2)
@@ -59,7 +73,8 @@ def _write_json(data: dict, dest: str) -> None:
 def _run_eval(models: list[Path], data: Optional[str], settings, json_dest: Optional[str] = None,
               plot: Optional[Path] = None, tables: Optional[Console] = None) -> None:
     """Shared by `eval` and `convert --eval`: perplexity and routing of every model, one table."""
-    from .evaluate import evaluate, plot_routing, require_matplotlib
+    from .api import evaluate
+    from .evaluation import plot_routing, require_matplotlib
     from .report import print_eval
 
     if plot:
@@ -72,7 +87,7 @@ def _run_eval(models: list[Path], data: Optional[str], settings, json_dest: Opti
                 tasks[stage] = bar.add_task(f"scoring {stage}", total=total)
             bar.update(tasks[stage], completed=done)
 
-        result = evaluate(models, data, settings, progress=on_progress)
+        result = evaluate(models, data, progress=on_progress, **dataclasses.asdict(settings))
     print_eval(tables or _tables(json_dest), result)
     if json_dest:
         _write_json(result.to_json(), json_dest)
@@ -108,7 +123,7 @@ def eval_cmd(
 
     Example: moeify eval path/to/dense out/llama-moe --data wiki.test.txt --seq-len 2048
     """
-    from .evaluate import EvalSettings
+    from .evaluation import EvalSettings
 
     try:
         settings = EvalSettings(seq_len=seq_len, stride=stride, max_tokens=max_tokens, batch_size=batch_size,
@@ -120,10 +135,13 @@ def eval_cmd(
 
 @app.command()
 def convert(
-    src: Path = typer.Argument(..., help="Dense checkpoint directory (config.json, *.safetensors, tokenizer)."),
+    src: Path = typer.Argument(..., help="Dense checkpoint: a directory (config.json, *.safetensors, tokenizer) or "
+                                "a Hugging Face Hub id, org/name[@revision] (fetched into the Hub cache)."),
     out: Path = typer.Argument(..., help="Output directory for the MoE checkpoint (must not exist unless --overwrite)."),
-    experts: Optional[int] = typer.Option(None, "--experts", "-n", help="Routed experts per layer [default: 8]."),
-    top_k: Optional[int] = typer.Option(None, "--top-k", "-k", help="Routed experts active per token [default: 2]."),
+    experts: Optional[int] = typer.Option(None, "--experts", "-n", help="Routed experts per layer [default: the "
+                                          "preset's; with --top-k/--shared but no preset, 8]."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", "-k", help="Routed experts active per token [default: the "
+                                        "preset's; without a preset, 2]."),
     shared: Optional[int] = typer.Option(None, "--shared", help="Always-on shared width, in units of one expert "
                                          "(every expert is d_ff/(experts+shared) wide) [default: 0]."),
     method: Optional[str] = typer.Option(None, help="Neuron partition: contiguous | random | gate-cluster "
@@ -200,9 +218,14 @@ def convert(
                                          "earlier calibrated run) instead of recomputing them."),
     device: Optional[str] = typer.Option(None, help="Where calibration, k-means clustering and router fitting "
                                          "run: auto (a GPU if there is one) | cpu | cuda [default: auto]."),
-    preset: Optional[Path] = typer.Option(None, help="TOML preset (e.g. configs/active-50.toml); flags override "
-                                          "it. A preset's [layout] (shares of d_ff) is resolved for SRC: the expert "
-                                          "count whose width quantized kernels take; --dry-run prints how."),
+    preset: Optional[Path] = typer.Option(None, help="A preset by name (active-50, active-25) or a TOML file; flags "
+                                          "override it. Its [layout] (shares of d_ff) is resolved for SRC: the "
+                                          "expert count whose width quantized kernels take; --dry-run prints how "
+                                          "[default: active-50 when no --experts/--top-k/--shared is given]."),
+    serve: Optional[str] = typer.Option(None, "--serve", help="The serving format the preset's layout is resolved "
+                                        "for: k-quants (llama.cpp Q4_K_M: widths of 256) | fp8 (vLLM FP8 block, "
+                                        "Marlin: 128) | q8_0 (llama.cpp Q8_0/Q4_0: 32) | bf16 (any width) "
+                                        "[default: the preset's own widths: 256, else 128, else 32]."),
     target: Optional[list[str]] = typer.Option(None, "--target", help="A serving engine the output must run in: "
                                                "transformers | vllm | llama.cpp (repeatable, or comma-separated); "
                                                "convert refuses a layout a target cannot run. The presets name all "
@@ -224,10 +247,10 @@ def convert(
 ) -> None:
     """Split every FFN into experts and write a Mixtral / Qwen2-MoE checkpoint that stock transformers loads.
 
-    Example: moeify convert path/to/Llama-3-8B out/llama-moe --experts 8 --top-k 2
+    Example: moeify convert Qwen/Qwen2.5-0.5B out/qwen-moe --preset active-50
+             moeify convert path/to/Llama-3-8B out/llama-moe --experts 8 --top-k 2 --no-tune
     """
-    from .config import build_config
-    from .convert import plan_conversion, run_conversion
+    from .api import prepare_conversion, run_prepared
     from .report import print_plan, print_result
 
     try:
@@ -235,59 +258,55 @@ def convert(
             raise MoeifyError("convert runs in one process, not under torchrun / accelerate launch",
                               f"carve in one process (moeify convert {src} {out} --no-tune ...), then tune across "
                               f"processes: torchrun --nproc-per-node G -m moeify tune {src} {out} --tokens N")
-        if weight_only and calib:
-            raise MoeifyError("--weight-only and --calib contradict each other", "pass one of them")
-        notes: list[str] = []
-        cfg = build_config(preset, default_calib=not weight_only, source=src, weight_only=weight_only, notes=notes,
-                           experts=experts, top_k=top_k,
-                           shared=shared,
-                           method=method, router=router,
-                           format=format, dense_layers=dense_layers, gate_tolerance=gate_tolerance, seed=seed,
-                           kmeans_iters=kmeans_iters, dtype=dtype, max_shard_size=max_shard_size,
-                           pad_experts_to=pad_experts_to,
-                           untie_embeddings=untie_embeddings, calib=calib, calib_tokens=calib_tokens,
-                           calib_seq_len=calib_seq_len, calib_feed=calib_feed, compensate=compensate,
-                           stats=str(stats) if stats else None, device=device, fit_epochs=fit_epochs,
-                           fit_lr=fit_lr, tune_tokens=0 if no_tune else tune_tokens,
-                           tune_generated=tune_generated, tune_text=tune_text, tune_router=tune_router,
-                           tune_attention=tune_attention,
-                           tune_model_lr=tune_model_lr,
-                           targets=None if target is None else ",".join(target))
-        if no_tune:
-            cfg = dataclasses.replace(cfg, fit_epochs=0)
         if eval_data:  # a bad --eval file fails before the conversion, not after it
             from .text import read_text
 
             read_text(eval_data)
-        plan = plan_conversion(src, cfg, allow_pickle=allow_pickle, allow_nonfinite=allow_nonfinite, force=force)
+        plan, notes = prepare_conversion(
+            str(src), preset=preset, tune=False if no_tune else tune_tokens, weight_only=weight_only, calib=calib,
+            serve=serve, allow_pickle=allow_pickle, allow_nonfinite=allow_nonfinite, force=force,
+            experts=experts, top_k=top_k, shared=shared, method=method, router=router, format=format,
+            dense_layers=dense_layers, gate_tolerance=gate_tolerance, seed=seed, kmeans_iters=kmeans_iters,
+            dtype=dtype, max_shard_size=max_shard_size, pad_experts_to=pad_experts_to,
+            untie_embeddings=untie_embeddings, calib_tokens=calib_tokens, calib_seq_len=calib_seq_len,
+            calib_feed=calib_feed, compensate=compensate, stats=str(stats) if stats else None, device=device,
+            fit_epochs=fit_epochs, fit_lr=fit_lr, tune_generated=tune_generated, tune_text=tune_text,
+            tune_router=tune_router, tune_attention=tune_attention, tune_model_lr=tune_model_lr,
+            targets=None if target is None else ",".join(target))
         tables = _tables(json_dest)
         for note in notes:
             tables.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
         print_plan(tables, plan, out)
         if dry_run:
+            from .api import serve_layouts
+            from .report import print_alternatives
+
+            alternatives = serve_layouts(str(src), preset=preset, experts=experts, top_k=top_k, shared=shared)
+            if alternatives:
+                print_alternatives(tables, alternatives)
             tables.print("[dim]--dry-run: nothing written[/]")
             if json_dest:
                 _write_json(plan.summary(), json_dest)
             return
         with progress_bars() as bar:
-            on_progress = stage_callback(bar)
-            report = run_conversion(plan, out, overwrite=overwrite, progress=on_progress, memory_check=memory_check)
-        print_result(tables, report, out)
+            done = run_prepared(plan, out, notes, overwrite=overwrite, progress=stage_callback(bar),
+                                memory_check=memory_check)
+        print_result(tables, done.report, out)
         if json_dest:
-            _write_json(report, json_dest)
-        if plan.reader.nonfinite:
-            bad = plan.reader.nonfinite
+            _write_json(done.report, json_dest)
+        if done.nonfinite:
+            bad = done.nonfinite
             console.print(f"[bold yellow]warning:[/] {len(bad)} source tensor(s) had NaN/Inf values and were converted "
                           f"as they are (--allow-nonfinite): {', '.join(list(bad)[:5])}{' ...' if len(bad) > 5 else ''}",
                           highlight=False, soft_wrap=True)
         if eval_data:
-            from .evaluate import EvalSettings
+            from .evaluation import EvalSettings
 
-            _run_eval([src, out], eval_data, EvalSettings(), tables=tables)
+            _run_eval([plan.src.path, out], eval_data, EvalSettings(), tables=tables)
     except MoeifyError as exc:
         _fail(exc)
     except KeyboardInterrupt:
-        from .tune import state_dir
+        from .tuning import state_dir
 
         if (state_dir(out) / "run.json").is_file():
             _interrupted_tuning(src, out)
@@ -296,7 +315,7 @@ def convert(
 
 
 def _interrupted_tuning(src: Path, out: Path) -> None:
-    from .tune import TuningState, resume_command, state_dir
+    from .tuning import TuningState, resume_command, state_dir
 
     done = TuningState(state_dir(out)).progress()
     what = f"saved at step {done[0]:,} of {done[1]:,}" if done else "the tuning text sampled so far is saved"
@@ -363,8 +382,10 @@ def tune(
 
     Example: moeify tune path/to/Llama-3-8B out/llama-moe --tokens 1048576
     """
+    from .api import tune as run_tune
+    from .hub import resolve
     from .report import print_tuning
-    from .tune import TuneOptions, TuningInterrupted, tune_output
+    from .tuning import TuneOptions, TuningInterrupted
 
     rank = int(os.environ.get("RANK", "0"))
     given = {"tokens": tokens, "lr": lr, "generated": tune_generated,
@@ -380,27 +401,26 @@ def tune(
                                   f"e.g. moeify tune {src} {out} --tokens 262144; or --resume an interrupted run")
             opts = TuneOptions(**{k: v for k, v in given.items() if v is not None})
         if dry_run:
-            from .tune import estimate_run
+            from .tuning import estimate_run
 
             if int(os.environ.get("WORLD_SIZE", "1")) > 1:
                 raise MoeifyError("--dry-run measures one process", "run it without torchrun / accelerate launch")
 
-            est = estimate_run(src, out, opts, resume=resume, device=device, offload=offload,
+            est = estimate_run(resolve(src), out, opts, resume=resume, device=device, offload=offload,
                                memory_check=memory_check)
             print_tuning(_tables(json_dest), est, estimate=True)
             if json_dest:
                 _write_json(est, json_dest)
             return
+        options = {k: v for k, v in given.items() if k != "tokens"}
+        run = dict(resume=resume, restart=restart, device=device, save_every=save_every, memory_check=memory_check,
+                   offload=offload, timeout=timeout, **options)
         if rank:  # a process of a torchrun / accelerate launch other than the first: rank 0 reports
-            tune_output(src, out, opts, resume=resume, restart=restart, device=device, save_every=save_every,
-                        given=given if resume else None, memory_check=memory_check, offload=offload,
-                        timeout=timeout)
+            run_tune(src, out, tokens, **run)
             return
         with progress_bars() as bar:
-            report = tune_output(src, out, opts, resume=resume, restart=restart, device=device, save_every=save_every,
-                                 progress=stage_callback(bar), given=given if resume else None,
-                                 memory_check=memory_check, offload=offload, timeout=timeout,
-                                 notify=lambda msg: console.print(f"[yellow]{escape(msg)}[/]", highlight=False))
+            report = run_tune(src, out, tokens, progress=stage_callback(bar), **run,
+                              notify=lambda msg: console.print(f"[yellow]{escape(msg)}[/]", highlight=False))
         print_tuning(_tables(json_dest), report, out=out)
         if json_dest:
             _write_json(report, json_dest)
@@ -416,7 +436,7 @@ def tune(
             raise typer.Exit(130)
         _interrupted_tuning(src, out)
     except KeyboardInterrupt:
-        from .tune import state_dir
+        from .tuning import state_dir
 
         if rank:
             raise typer.Exit(130)
@@ -428,38 +448,38 @@ def tune(
 
 @app.command("plan")
 def plan_cmd(
-    src: Path = typer.Argument(..., help="Dense checkpoint directory, or a config.json file (no weights needed)."),
+    src: Path = typer.Argument(..., help="Dense checkpoint directory, a config.json file, or a Hub id (org/name"
+                                "[@revision]: only its config.json is fetched; no weights needed)."),
     experts: Optional[int] = typer.Option(None, "--experts", "-n", help="Routed experts per layer [default: the "
-                                          "preset's, else 8]."),
+                                          "preset's; with --top-k/--shared but no preset, 8]."),
     top_k: Optional[int] = typer.Option(None, "--top-k", "-k", help="Routed experts active per token [default: the "
-                                        "preset's, else 2]."),
+                                        "preset's; without a preset, 2]."),
     shared: Optional[int] = typer.Option(None, "--shared", help="Always-on shared expert, in units of one expert's "
-                                         "width [default: the preset's, else 0]."),
-    preset: Optional[Path] = typer.Option(None, help="A TOML preset (e.g. configs/active-50.toml): plan the layout it "
-                                          "resolves to for this model (its shares of d_ff, the widths quantized "
-                                          "kernels take); --experts/--shared/--top-k override it."),
+                                         "width [default: the preset's; without a preset, 0]."),
+    preset: Optional[Path] = typer.Option(None, help="A preset by name (active-50, active-25) or a TOML file: plan the "
+                                          "layout it resolves to for this model (its shares of d_ff, the widths "
+                                          "quantized kernels take); --experts/--shared/--top-k override it "
+                                          "[default: active-50 when no count is given]."),
     expert_width: Optional[int] = typer.Option(None, "--expert-width", help="Add a row for this expert width."),
+    serve: Optional[str] = typer.Option(None, "--serve", help="The serving format the preset's layout is resolved "
+                                        "for: k-quants (llama.cpp Q4_K_M: widths of 256) | fp8 (vLLM FP8 block, "
+                                        "Marlin: 128) | q8_0 (llama.cpp Q8_0/Q4_0: 32) | bf16 (any width) "
+                                        "[default: the preset's own widths: 256, else 128, else 32]."),
     json_dest: Optional[str] = _json_option("The numbers of every regime, with serving fit."),
 ) -> None:
     """Parameters, activated parameters and FFN FLOPs per token of an MoE built from a dense config, for the
     max-capacity (width d_ff), constant-compute (d_ff/k), inference-saving (d_ff/N, what convert carves) and
     custom-width regimes, with ratios to the dense model.
 
-    Example: moeify plan path/to/Llama-3-8B/config.json --experts 8 --top-k 2
-             moeify plan path/to/Llama-3-8B/config.json --preset configs/active-25.toml
+    Example: moeify plan meta-llama/Llama-3.1-70B --preset active-25
+             moeify plan path/to/Llama-3-8B/config.json --experts 8 --top-k 2
     """
-    from .families import read_source_config
-    from .plan import plan_moe, plan_preset
+    from .api import plan
     from .report import print_moe_plan
 
     try:
-        source = read_source_config(src)
-        if preset is not None:
-            result = plan_preset(source, preset, experts=experts, shared=shared, top_k=top_k,
-                                 expert_width=expert_width)
-        else:
-            result = plan_moe(source, experts=8 if experts is None else experts, top_k=2 if top_k is None else top_k,
-                              shared=0 if shared is None else shared, expert_width=expert_width)
+        result = plan(str(src), preset=preset, experts=experts, top_k=top_k, shared=shared, expert_width=expert_width,
+                      serve=serve)
         print_moe_plan(_tables(json_dest), result)
         if json_dest:
             _write_json(result.to_dict(), json_dest)
@@ -484,12 +504,14 @@ def inspect_cmd(
     Example: moeify inspect out/llama-moe --dense path/to/Llama-3-8B --data text.txt
     """
     from .analysis import run_inspect
+    from .hub import resolve
     from .report import print_inspect
 
     try:
         with progress_bars() as bar:
             on_progress = stage_callback(bar)
-            result = run_inspect(out, dense=dense, data=data, max_tokens=max_tokens, layers=layers,
+            result = run_inspect(resolve(out, what="OUT"), dense=None if dense is None else resolve(dense, what="--dense"),
+                                 data=data, max_tokens=max_tokens, layers=layers,
                                  out_dir=output_dir, plots=plots, progress=on_progress)
     except MoeifyError as exc:
         _fail(exc)
@@ -504,8 +526,9 @@ def inspect_cmd(
 @app.command("verify")
 def verify_cmd(
     out: Path = typer.Argument(..., help="MoE checkpoint directory (mixtral, qwen2_moe or qwen3_moe, e.g. written by convert)."),
-    against: Optional[Path] = typer.Option(None, help="The dense source: also check that every tensor and the "
-                                           "un-permuted experts match it bit for bit, and compare logits."),
+    against: Optional[Path] = typer.Option(None, help="The dense source (a folder or a Hub id): also check that every "
+                                           "tensor and the un-permuted experts match it bit for bit, and compare "
+                                           "logits."),
     logits: bool = typer.Option(True, "--logits/--no-logits", help="With --against: compare logits with every expert "
                                 "active (loads both models in float32, one at a time)."),
     values: bool = typer.Option(True, "--values/--headers-only", help="Read every tensor to look for NaN/Inf."),
@@ -522,11 +545,13 @@ def verify_cmd(
     """
     from rich.markup import escape
 
+    from .hub import resolve
     from .verify import verify_checkpoint
 
     try:
         with progress_bars() as bar:
             on_progress = stage_callback(bar)
+            against = None if against is None else resolve(against, what="--against")
             result = verify_checkpoint(out, against, values=values, logits=logits, allow_pickle=allow_pickle,
                                        seq_len=seq_len, progress=on_progress)
     except MoeifyError as exc:

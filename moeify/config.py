@@ -202,11 +202,41 @@ def parse_layers(text: str | list | tuple | None) -> tuple[int, ...]:
         raise MoeifyError(f"--dense-layers {text!r} is not a comma-separated list of layer indices", "e.g. 0,31") from None
 
 
+DEFAULT_PRESET = "active-50"  # what `moeify convert SRC OUT` carves when no layout is given (README "Converting")
+
+
+def preset_dir() -> Path | None:
+    """Where the named presets are: the installed package's moeify/presets/ (the wheel takes them from configs/,
+    pyproject.toml's package-dir), else configs/ beside the package (a checkout, an editable install)."""
+    here = Path(__file__).resolve().parent
+    for d in (here / "presets", here.parent / "configs"):
+        if d.is_dir() and any(d.glob("*.toml")):
+            return d
+    return None
+
+
+def preset_names() -> list[str]:
+    d = preset_dir()
+    return sorted(f.stem for f in d.glob("*.toml")) if d else []
+
+
+def preset_path(preset: str | Path) -> Path:
+    """A preset by name (`active-50`, as the package ships it) or by path (a TOML file: yours, or an earlier output's
+    moeify.toml). A path that exists wins over a name."""
+    path = Path(preset)
+    if path.is_file():
+        return path
+    d = preset_dir()
+    name = path.name[:-5] if path.name.endswith(".toml") else path.name
+    if d is not None and (d / f"{name}.toml").is_file() and (len(path.parts) == 1 or path.parent.name == "configs"):
+        return d / f"{name}.toml"
+    names = ", ".join(preset_names()) or "none installed"
+    raise MoeifyError(f"preset {preset} not found (the presets: {names})",
+                      "name one, e.g. --preset active-50, or pass a TOML file (an earlier output's moeify.toml works)")
+
+
 def load_preset(path: str | Path) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise MoeifyError(f"preset {path} not found",
-                          "pass a TOML file, e.g. --preset configs/active-50.toml (or an earlier output's moeify.toml)")
+    path = preset_path(path)
     try:
         data = tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
@@ -232,8 +262,39 @@ def _absolute(f: str | Path) -> str:
     return os.path.abspath(f) if Path(f).exists() else str(f)
 
 
+def resolve_preset(values: dict, d_ff: int, qk_norm: bool = False, *, given: dict | None = None,
+                   notes: list[str] | None = None, serve: str | None = None) -> dict:
+    """values (a preset merged with flags) with experts/shared/top_k resolved from its [layout] for this d_ff:
+    - serve: the serving format the widths must suit (moeify.layout.SERVE_QUANTA), in place of the preset's quanta;
+    - a target that holds no shared expert (a Qwen3 source: Qwen3-MoE; --format mixtral) gets the same active share
+      without one (unless --shared was given: then the conversion refuses it), and a note says so.
+    given: the flags given explicitly. Both `moeify convert` and `moeify plan` resolve so."""
+    from .layout import SERVE_QUANTA, serve_quanta
+
+    given = given or {}
+    lay = values["layout"]
+    if serve is not None:
+        lay = dataclasses.replace(lay, quanta=serve_quanta(serve))
+        values["layout"] = lay
+    if lay.shared > 0 and (qk_norm or values.get("format") == "mixtral") and given.get("shared") is None:
+        values["layout"] = dataclasses.replace(lay, shared=0.0)  # Qwen3-MoE and Mixtral have none
+        if qk_norm and given.get("format") is None:
+            values["format"] = "qwen3_moe"  # the one stock class with Qwen3's q/k norms
+    values = resolve_into(values, d_ff)
+    if serve is not None:
+        values["layout"] = dataclasses.replace(values["layout"], resolved=f"--serve {serve} "
+                                               f"({SERVE_QUANTA[serve][2]}): {values['layout'].resolved}")
+    if lay.shared > 0 and values["layout"].shared == 0 and notes is not None:
+        target = "Qwen3-MoE (the one stock class with Qwen3's q/k norms)" if qk_norm else "Mixtral"
+        notes.append(f"{target} holds no shared expert: the preset's {lay.active:.0%} active resolves without "
+                     f"one, to top-{values['top_k']} of {values['experts']} routed experts (README \"Presets "
+                     "without a shared expert\" says what that costs)")
+    return values
+
+
 def build_config(preset: str | Path | None = None, default_calib: bool = False, source=None,
-                 weight_only: bool = False, notes: list[str] | None = None, **flags) -> ConvertConfig:
+                 weight_only: bool = False, notes: list[str] | None = None, serve: str | None = None,
+                 **flags) -> ConvertConfig:
     """Merge a preset with flags (flags that are None fall back to the preset, then to the defaults).
     default_calib: calibrate on the bundled sample (BUNDLED_CALIB) when neither preset nor flags name a text
     (the command line's default; `--weight-only` turns it off).
@@ -241,7 +302,8 @@ def build_config(preset: str | Path | None = None, default_calib: bool = False, 
     as shares ([layout], moeify/layout.py) and the flags do not give every count; the counts are resolved for it.
     weight_only (`--weight-only`): carve from the weights alone: the preset's settings that need calibration text
     give way to their weight-only counterparts (WEIGHT_ONLY; each replacement said in `notes`), and a flag that
-    needs text contradicts it."""
+    needs text contradicts it. serve (`--serve`): the serving format the preset's layout is resolved for
+    (resolve_preset)."""
     values = load_preset(preset) if preset else {}
     if weight_only:
         if values.get("calib") and notes is not None:
@@ -264,12 +326,16 @@ def build_config(preset: str | Path | None = None, default_calib: bool = False, 
                               "depend on the model", "give the source checkpoint (the command line does), or pass "
                               "--experts, --shared and --top-k")
         if isinstance(source, int):
-            d_ff = source
+            d_ff, qk_norm = source, False
         else:
             from .families import read_source_config
 
-            d_ff = read_source_config(source).d_ff
-        values = resolve_into(values, d_ff)
+            model = read_source_config(source)
+            d_ff, qk_norm = model.d_ff, model.qk_norm
+        values = resolve_preset(values, d_ff, qk_norm, given=flags, notes=notes, serve=serve)
+    elif serve is not None:
+        raise MoeifyError(f"--serve {serve} chooses among a preset's layouts; this conversion has none to choose",
+                          "pass a preset (e.g. --preset active-50), or drop --serve")
     if default_calib and not values.get("calib"):
         values["calib"] = (str(BUNDLED_CALIB),)
     if isinstance(values.get("calib"), (str, Path)):

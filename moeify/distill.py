@@ -59,7 +59,7 @@ class DistillSettings:
     attention_lr: float = 0.001  # their Adam step relative to each tensor's RMS: a third of the experts' (at the
     # experts' step the attention fits the tuning mix and unseen genres get worse; 0.0003-0.002 gain 1-2% on every
     # text: BENCHMARKS.md "Attention and norms with their own, smaller step")
-    batch_tokens: int = 1024  # tokens a step (a CPU's; a GPU's are sized to its memory: moeify.tune.sizing.step_size)
+    batch_tokens: int = 1024  # tokens a step (a CPU's; a GPU's are sized to its memory: moeify.tuning.sizing.step_size)
     micro_windows: int = 1  # windows per forward + backward (gradients accumulate over a step's micro-batches)
     lr_reference_tokens: int = 1024  # lr and temp_lr are the steps of a batch of this many tokens; a larger batch
     # takes them times sqrt(batch_tokens / this) (Adam's square-root scaling rule: Malladi et al. 2022, "On the SDEs
@@ -73,7 +73,7 @@ class DistillSettings:
     # MOEIFY_COMPILE=0 off; MOEIFY_COMPILE_BACKEND picks the backend, inductor by default)
     warmup_steps: int = 5
     schedule_from: float = 0.0  # where in its cosine the run starts (0: the peak); a continued run's schedule is the
-    # rest of one cosine over its earlier tokens and these (moeify.tune.TuneOptions.schedule_from)
+    # rest of one cosine over its earlier tokens and these (moeify.tuning.TuneOptions.schedule_from)
     evals: int = 6  # held-out checks over the run; the best checked weights are kept
     autocast: str = "auto"  # auto | bf16 | off
     kl_chunk: int = 256  # tokens per KL chunk (bounds the logits held at once)
@@ -315,7 +315,7 @@ def set_step_hook(hook) -> None:
 
 @dataclass(frozen=True)
 class Pending:
-    """A tensor of a saved state, produced when it is written (moeify.tune.TuningState writes one at a time, so the
+    """A tensor of a saved state, produced when it is written (moeify.tuning.TuningState writes one at a time, so the
     writer never holds the whole state in host memory): produce() gathers it (a collective across processes: every
     rank calls it, in the same order) and returns it whole on the writing rank, None on the others."""
 
@@ -359,7 +359,7 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
     on, used for every early-stopping decision. Returns info (held-out KL before/after and along the run, train KL,
     steps, tokens, passes over the training windows, seconds, autocast); the student holds the kept weights.
 
-    state: where the best checked weights are kept and the run's state is saved (moeify.tune.TuningState: keep(),
+    state: where the best checked weights are kept and the run's state is saved (moeify.tuning.TuningState: keep(),
     kept(), checkpoint(step, total, snapshot), which saves snapshot() when due and raises KeyboardInterrupt after
     saving when a stop was requested); None: a temporary file, nothing saved. resume: (tensors, meta) of a saved
     snapshot: the run continues from it and ends with the weights an uninterrupted run would have (same machine and

@@ -1,5 +1,5 @@
 """Layer-local fitting of a carved FFN (`--fit-epochs`; "tuning" in moeify means the whole-model recovery tuning of
-moeify/tune/): gradient steps on its experts' weights towards a target output.
+moeify/tuning/): gradient steps on its experts' weights towards a target output.
 
 Layer-local distillation: the carved layer (its neurons' gate_proj / up_proj / down_proj, in source neuron order,
 with the routing fixed by its router) is fitted to the output the dense model wants from it on cached calibration

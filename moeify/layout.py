@@ -32,6 +32,20 @@ from dataclasses import dataclass, field, replace
 from .errors import MoeifyError
 
 LAYOUT_KEYS = ("active", "shared", "slices", "max_top_k", "quanta", "tolerance", "resolved")
+# what each serving format asks of an expert's width (`--serve`): the quanta it prefers, best first, and why
+SERVE_QUANTA = {
+    "k-quants": ((256, 128, 32), "llama.cpp Q4_K_M, Q5_K", "llama.cpp's K-quants need widths of 256 (else 128, 32)"),
+    "fp8": ((128, 32), "vLLM FP8, Marlin int4", "vLLM's FP8 block and int4 Marlin kernels need widths of 128"),
+    "q8_0": ((32,), "llama.cpp Q8_0, Q4_0", "llama.cpp's Q8_0 / Q4_0 need widths of 32"),
+    "bf16": ((1,), "bf16 / fp16 anywhere", "bf16 and fp16 take any width"),
+}
+
+
+def serve_quanta(serve: str) -> tuple[int, ...]:
+    if serve not in SERVE_QUANTA:
+        raise MoeifyError(f"--serve {serve!r} is not a serving format moeify knows",
+                          f"one of: {', '.join(SERVE_QUANTA)}")
+    return SERVE_QUANTA[serve][0]
 
 
 @dataclass(frozen=True)
@@ -201,5 +215,5 @@ def resolve_into(values: dict, d_ff: int) -> dict:
     return out
 
 
-__all__ = ["Layout", "LAYOUT_KEYS", "Candidate", "Resolution", "layout_from_table", "resolve_layout", "needs_resolution",
-           "resolve_into"]
+__all__ = ["Layout", "LAYOUT_KEYS", "SERVE_QUANTA", "Candidate", "Resolution", "layout_from_table", "resolve_layout",
+           "needs_resolution", "resolve_into", "serve_quanta"]

@@ -1,8 +1,8 @@
 """Peak memory of recovery tuning per process, predicted from the config alone (no weights read).
 
-What the tune stage (`moeify/tune/`) holds while it tunes (moeify.distill; every term is a tensor the code keeps):
+What the tune stage (`moeify/tuning/`) holds while it tunes (moeify.distill; every term is a tensor the code keeps):
 - the teacher, as loaded: every dense parameter in float32. In one process it is loaded whole. Across processes
-  (torchrun) it is sharded (moeify.tune.load_teacher): every decoder layer's attention and FFN are FSDP2 groups
+  (torchrun) it is sharded (moeify.tuning.load_teacher): every decoder layer's attention and FFN are FSDP2 groups
   split across the processes, gathered one group at a time for each forward (two at once: the one computing and
   the one fetched next), while the embeddings, output head and norms are whole on every process;
 - before tuning the teacher pass has computed every target, and the carved layers' FFNs of the teacher are freed

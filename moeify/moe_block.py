@@ -1,5 +1,5 @@
 """The student's MoE block: a carved FFN as the exported Mixtral / Qwen2-MoE block computes it, in the dense neuron
-order, with trainable routing (moeify.distill trains it; moeify.tune builds it).
+order, with trainable routing (moeify.distill trains it; moeify.tuning builds it).
 
 Two exact ways to compute it (MaskedMoE.kernel):
 - "masked": every neuron's products, the unchosen ones multiplied by 0 (masked_ffn). Simple, any dtype, and at the

@@ -1,7 +1,7 @@
 """Tuning across processes: torch.distributed with FSDP2, launched by torchrun (or `accelerate launch`).
 
 `torchrun --nproc-per-node G -m moeify tune SRC OUT ...` starts G processes. The teacher is sharded across them
-(moeify.tune.load_teacher: every decoder layer's attention and FFN an FSDP2 group, each rank reading its own rows;
+(moeify.tuning.load_teacher: every decoder layer's attention and FFN an FSDP2 group, each rank reading its own rows;
 the embeddings, head and norms whole on every rank), and so are the student's trainable tensors (every carved
 layer's MaskedMoE: experts, router, temperature), their gradients and Adam moments (FSDP2's `fully_shard`, which
 gathers a group's weights for its forward and backward and reduce-scatters the gradients). Every forward of the

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from .config import CALIB_TOKENS_CAP
 from .budget import padded_width
-from .plan import SERVING_RULES, serving_advice, serving_fit
+from .planning import SERVING_RULES, serving_advice, serving_fit
 
 
 def human_bytes(n: float) -> str:
@@ -261,6 +261,17 @@ def _duration(seconds: float) -> str:
 # ------------------------------------------------------------------------------------------- plan / inspect
 
 
+def print_alternatives(console: Console, alternatives: list[dict]) -> None:
+    """The layout the preset gives for each serving format (--serve): one table, read before converting."""
+    from .layout import SERVE_QUANTA
+
+    rows = [[a["serve"], f"{a['experts'] + a['shared']} × {a['width']}",
+             (f"{a['shared']} + " if a["shared"] else "") + f"top-{a['top_k']} of {a['experts']}", f"{a['active']:.1%}",
+             SERVE_QUANTA[a["serve"]][1]] for a in alternatives]
+    console.print(_table("the preset's layout by serving format (--serve)",
+                         ["--serve", "slices\n× width", "shared +\nrouted", "active", "for"], rows))
+
+
 def print_moe_plan(console: Console, plan) -> None:
     """`moeify plan`: total / active parameters and FFN FLOPs of each regime, with ratios to the dense model."""
     s = plan.src
@@ -280,6 +291,8 @@ def print_moe_plan(console: Console, plan) -> None:
     if plan.layout is not None and plan.layout.resolved:
         console.print(f"[bold]preset layout:[/] {escape(plan.layout.spec())}\n[bold]resolved:[/] "
                       f"{escape(plan.layout.resolved)}", highlight=False)
+    if plan.alternatives:
+        print_alternatives(console, plan.alternatives)
     notes = ["expert width: neurons per routed expert (max capacity d_ff, constant compute d_ff/(k+S), inference saving "
              "d_ff/(N+S), the split `convert` carves)"]
     if plan.shared:

@@ -3,7 +3,7 @@ truncation), with its final hidden states kept from the sampling's forward passe
 windows), and the cost of a sampling step fitted from a short run (what `tune --dry-run` estimates with).
 
 Sampled text teaches the student what the teacher knows (LLM-QAT's data-free KL), beside the real texts; the tune
-stage samples it a batch at a time (moeify.tune.data) and moeify.distill trains on it.
+stage samples it a batch at a time (moeify.tuning.data) and moeify.distill trains on it.
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ def phase_convert(a) -> dict:
     import moeify.calibrate as cal
     import moeify.carve as carve
     from moeify.config import build_config
-    from moeify.convert import plan_conversion, run_conversion
+    from moeify.conversion import plan_conversion, run_conversion
 
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
     stages: dict[str, float] = defaultdict(float)

@@ -252,7 +252,7 @@ def main() -> None:
     ap.add_argument("--curve-only", action="store_true", help="only the 50%% carve of the real SmolLM2 and its curve "
                     "(a call after scripts/device_carry.py brought the model)")
     ap.add_argument("--speed-tokens", type=int, default=16 * 2**20, help="the run the speed rows time (its steps: "
-                    "moeify.tune.sizing.step_size) [16M tokens: 65,536-token steps]")
+                    "moeify.tuning.sizing.step_size) [16M tokens: 65,536-token steps]")
     ap.add_argument("--speed-only", action="store_true", help="only the speed rows: tuning step (masked and grouped "
                     "kernels) beside a dense bf16 training step of the same model and tokens, sampling, MFU")
     ap.add_argument("--curve-points", default=None, help="comma-separated token totals, each one run from the carve "

@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(a.threads)
-    from moeify.tune import TuneOptions, estimate_run
+    from moeify.tuning import TuneOptions, estimate_run
 
     t0 = time.time()
     with PeakSampler() as s:

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from moeify.config import build_config  # noqa: E402
-from moeify.convert import plan_conversion, run_conversion  # noqa: E402
+from moeify.conversion import plan_conversion, run_conversion  # noqa: E402
 
 CORPORA = ROOT.parent / "shared" / "corpora" / "wikitext2"
 CONFIGS = ("e8k2", "e8k4", "s1e7k1", "s2e16k2")  # the tiny model's table; any [sS]eEkK (or a preset path) works

@@ -62,7 +62,7 @@ def main() -> None:
 
     teacher = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     dense = copy.deepcopy(teacher)  # trains every weight, as a dense training step does
-    for p in teacher.parameters():  # frozen, as moeify.tune.load_teacher leaves it: the modules the student shares
+    for p in teacher.parameters():  # frozen, as moeify.tuning.load_teacher leaves it: the modules the student shares
         p.requires_grad_(False)     # with it (head, embeddings, attention) get no weight gradients in moeify either
     student = copy.deepcopy(teacher)
     gen = torch.Generator().manual_seed(0)

@@ -68,9 +68,9 @@ SHAPES = [
 
 
 def plan_rows() -> list[dict]:
-    """One entry per (shape, preset): moeify.plan.plan_preset on the published config."""
+    """One entry per (shape, preset): moeify.planning.plan_preset on the published config."""
     from moeify.families import read_source_config
-    from moeify.plan import plan_preset, serving_fit
+    from moeify.planning import plan_preset, serving_fit
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="moeify-layouts-") as tmp:
@@ -82,12 +82,13 @@ def plan_rows() -> list[dict]:
                                         "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, **cfg}))
             src = read_source_config(path)
             for preset in PRESETS:
-                plan = plan_preset(src, ROOT / "configs" / f"{preset}.toml")
+                plan = plan_preset(src, ROOT / "configs" / f"{preset}.toml")  # the preset's own widths: k-quants
                 carve = next(r for r in plan.regimes if r.name == "inference saving")
                 fit = {rule.name: tp for rule, tp in serving_fit(carve.expert_width)}
                 fails = sorted({n.engine for n in plan.engine_notes() if n.fails})
+                alt = {a["serve"]: f"{a['experts'] + a['shared']}×{a['width']}" for a in plan.alternatives}
                 rows.append({"model": name, "d_ff": src.d_ff, "preset": preset, "experts": plan.experts,
-                             "engines_failing": fails,
+                             "engines_failing": fails, "serve": alt,
                              "shared": plan.shared, "top_k": plan.top_k, "width": carve.expert_width,
                              "active": (plan.shared + plan.top_k) / (plan.experts + plan.shared),
                              "active_params": carve.budget.active_ratio, "serving": fit})
@@ -100,14 +101,14 @@ def _fits(tp: int, per_gpu: bool) -> str:
 
 def markdown(rows: list[dict]) -> str:
     """Rows of one d_ff and preset are merged (the layout depends only on d_ff)."""
-    from moeify.plan import SERVING_RULES
+    from moeify.planning import SERVING_RULES
 
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["d_ff"], r["preset"], tuple(r["engines_failing"])), []).append(r)
     names = {rule.name: rule for rule in SERVING_RULES}
     lines = ["| models (d_ff) | preset | experts: shared + top-k of routed | width | active | Q8_0 | K-quants "
-             "| vLLM FP8 / Marlin |", "|---|---|---|---:|---:|---|---|---|"]
+             "| vLLM FP8 / Marlin | `--serve` fp8 · q8_0 · bf16 |", "|---|---|---|---:|---:|---|---|---|---|"]
     for (d_ff, preset, fails), rs in groups.items():
         r = rs[0]
         models = ", ".join(x["model"] for x in rs) + f" ({d_ff:,})"
@@ -120,7 +121,8 @@ def markdown(rows: list[dict]) -> str:
                      f"({r['shared'] + r['experts']} slices) | {r['width']} | {r['active']:.1%} "
                      f"| {_fits(s['llama.cpp Q8_0'], names['llama.cpp Q8_0'].per_gpu)} "
                      f"| {_fits(s['llama.cpp K-quants'], names['llama.cpp K-quants'].per_gpu)} "
-                     f"| {vllm if vllm == marlin else vllm + ' / ' + marlin} |")
+                     f"| {vllm if vllm == marlin else vllm + ' / ' + marlin} "
+                     f"| {' · '.join(r['serve'][f] for f in ('fp8', 'q8_0', 'bf16'))} |")
     return "\n".join(lines) + "\n"
 
 

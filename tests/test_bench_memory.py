@@ -9,7 +9,7 @@ from pathlib import Path
 
 from conftest import build_dense
 from moeify.config import build_config
-from moeify.convert import plan_conversion, run_conversion
+from moeify.conversion import plan_conversion, run_conversion
 from test_calibrate import CALIB
 
 ROOT = Path(__file__).resolve().parents[1]

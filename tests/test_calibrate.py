@@ -63,7 +63,7 @@ from conftest import CORPUS, max_logit_diff  # noqa: E402
 from moeify.calibrate import NeuronStats  # noqa: E402
 from moeify.compensate import refit_down, routing_mask  # noqa: E402
 from moeify.config import build_config  # noqa: E402
-from moeify.convert import plan_conversion, run_conversion  # noqa: E402
+from moeify.conversion import plan_conversion, run_conversion  # noqa: E402
 from moeify.partition import Partition, partition_from_stats  # noqa: E402
 from moeify.router import fit_router, topk_agreement  # noqa: E402
 

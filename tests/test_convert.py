@@ -12,7 +12,7 @@ from safetensors import safe_open
 from conftest import build_dense, load, max_logit_diff, read_json
 from moeify.checkpoint import CheckpointReader
 from moeify.config import build_config
-from moeify.convert import plan_conversion, run_conversion
+from moeify.conversion import plan_conversion, run_conversion
 from moeify.experts import unpermute_ffn
 from moeify.partition import Partition
 

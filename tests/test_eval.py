@@ -14,9 +14,9 @@ from typer.testing import CliRunner
 from conftest import build_dense, corpus_text
 from moeify.cli import app
 from moeify.config import build_config
-from moeify.convert import plan_conversion, run_conversion
+from moeify.conversion import plan_conversion, run_conversion
 from moeify.errors import MoeifyError
-from moeify.evaluate import EvalSettings, evaluate, expert_output_norms, oracle_topk, routing_stats
+from moeify.evaluation import EvalSettings, evaluate, expert_output_norms, oracle_topk, routing_stats
 from moeify.text import SAMPLE, make_windows, read_text
 
 REL = 1e-4
@@ -354,7 +354,7 @@ def test_eval_table_rows_fit_80_columns(models, text_file):
 
 def test_routing_table_with_many_experts_fits_80_columns():
     """64 experts do not fit one bar character each next to the numbers: experts are grouped per character."""
-    from moeify.evaluate import EvalResult, LayerRouting, ModelResult
+    from moeify.evaluation import EvalResult, LayerRouting, ModelResult
 
     load = [2 / 64 * (1 + 0.5 * (e % 2)) for e in range(64)]
     routing = [LayerRouting(i, 64, 2, 1000, load, [1 / 64] * 64, 2.0, 0.33, 0, 0.5) for i in range(3)]

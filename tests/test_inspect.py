@@ -19,7 +19,7 @@ from moeify.analysis import (capture_moe_inputs, cosine_matrix, expert_dynamics,
 from moeify.checkpoint import CheckpointReader
 from moeify.cli import app
 from moeify.config import build_config
-from moeify.convert import plan_conversion, run_conversion
+from moeify.conversion import plan_conversion, run_conversion
 from moeify.errors import MoeifyError
 
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None

@@ -137,3 +137,35 @@ def test_readme_layout_table_is_what_plan_says():
     assert all(r["width"] % 128 == 0 for r in rows if r["model"] in ("Qwen2.5-0.5B", "Qwen2.5-72B"))
     # plan's budget: half the FFN (5.64B) plus everything else (2.39B) of 8.03B is active at 50%
     assert 0.64 < eight_b[0]["active_params"] < 0.66
+
+
+def test_serve_resolves_the_preset_for_the_widths_a_serving_format_takes(tmp_path, tokenizer_dir):
+    """--serve picks the preset's layout for a serving format's widths: at the 0.5B Qwen's d_ff 4,864 the 25%
+    preset is 38 x 128 for K-quants and FP8 (256 divides no slice count near 64), 76 x 64 for Q8_0 (multiples of
+    32: the nearest to 64 slices), 64 x 76 for bf16 (any width: exactly 64); plan and convert --dry-run print the
+    four side by side; an unknown format is refused with the list."""
+    from moeify.config import resolve_preset
+
+    layout = load_preset("active-25")
+    got = {fmt: resolve_preset(dict(layout), 4864, serve=fmt) for fmt in ("k-quants", "fp8", "q8_0", "bf16")}
+    assert {f: (v["experts"] + v["shared"], v["shared"], v["top_k"]) for f, v in got.items()} == {
+        "k-quants": (38, 5, 5), "fp8": (38, 5, 5), "q8_0": (76, 10, 9), "bf16": (64, 8, 8)}
+    assert got["q8_0"]["layout"].resolved.startswith("--serve q8_0 (llama.cpp's Q8_0 / Q4_0 need widths of 32): "
+                                                     "d_ff 4,864 = 76 × 64")
+    src = build_dense(tmp_path / "dense", tokenizer_dir, intermediate_size=4864, hidden_size=32,
+                      num_hidden_layers=1)
+    res = CliRunner().invoke(app, ["plan", str(src), "--preset", "active-25", "--serve", "q8_0", "--json", "-"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout)
+    assert (plan["experts"], plan["shared"], plan["top_k"]) == (66, 10, 9)
+    assert [(a["serve"], a["experts"] + a["shared"], a["width"]) for a in plan["alternatives"]] == [
+        ("k-quants", 38, 128), ("fp8", 38, 128), ("q8_0", 76, 64), ("bf16", 64, 76)]
+    res = CliRunner().invoke(app, ["convert", str(src), str(tmp_path / "out"), "--preset", "active-25", "--serve",
+                                   "bf16", "--weight-only", "--dry-run"])
+    assert res.exit_code == 0, res.output
+    said = " ".join(res.output.split())
+    assert "the preset's layout by serving format (--serve)" in said and "76 × 64 10 + top-9 of 66 25.0%" in said
+    assert "d_ff 4,864 = 64 × 76" in said
+    res = CliRunner().invoke(app, ["plan", str(src), "--preset", "active-25", "--serve", "q4"])
+    assert res.exit_code == 2 and "--serve 'q4' is not a serving format moeify knows — one of: k-quants, fp8, q8_0, " \
+        "bf16" in " ".join(res.stderr.split())

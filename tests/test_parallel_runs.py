@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from conftest import build_dense
 from moeify.config import build_config
-from moeify.convert import plan_conversion, run_conversion
+from moeify.conversion import plan_conversion, run_conversion
 from moeify.errors import MoeifyError
 from moeify.parallel import DEFAULT_TIMEOUT, Parallel, collective_timeout
 from test_calibrate import CALIB

@@ -10,9 +10,9 @@ from typer.testing import CliRunner
 from conftest import build_dense
 from moeify.cli import app
 from moeify.config import build_config
-from moeify.convert import plan_conversion
+from moeify.conversion import plan_conversion
 from moeify.errors import MoeifyError
-from moeify.plan import non_ffn_params, plan_from_path, plan_moe, read_source_config
+from moeify.planning import non_ffn_params, plan_from_path, plan_moe, read_source_config
 
 # meta-llama/Meta-Llama-3-8B config.json (as published)
 LLAMA3_8B = {
@@ -174,7 +174,7 @@ def rendered(print_fn, *args) -> list[str]:
 
 
 def test_serving_fit_of_expert_widths():
-    from moeify.plan import friendly_expert_counts, serving_fit
+    from moeify.planning import friendly_expert_counts, serving_fit
 
     fit = {w: [tp for _, tp in serving_fit(w)] for w in (224, 192, 256, 1792, 3584, 128)}
     # llama.cpp Q8_0 (x32) and K-quants (x256, no TP), vLLM FP8 block and int4 Marlin (x128 per GPU: largest TP of

@@ -11,7 +11,7 @@ import torch
 from conftest import build_dense, load
 from moeify.checkpoint import CheckpointReader
 from moeify.config import build_config
-from moeify.convert import plan_conversion, run_conversion
+from moeify.conversion import plan_conversion, run_conversion
 from moeify.experts import unpermute_ffn
 from moeify.partition import Partition
 from test_calibrate import CALIB
@@ -94,7 +94,7 @@ def test_qwen2_round_trip_unpermute_is_bit_exact(tmp_path):
 def test_a_calibrated_and_tuned_qwen2_carve_verifies_against_its_source(tmp_path, tokenizer_dir):
     """The whole pipeline on a Qwen2 source: calibration runs Qwen2's own decoder layers, tuning distils towards the
     Qwen2 teacher, and `verify --against` finds every non-FFN tensor (biases included) equal to the source's."""
-    from moeify.tune import TuneOptions, tune_output
+    from moeify.tuning import TuneOptions, tune_output
     from moeify.verify import verify_checkpoint
 
     src = build_dense(tmp_path / "dense", tokenizer_dir, initializer_range=0.3, **QWEN)

@@ -11,7 +11,7 @@ import torch
 from conftest import build_dense
 from moeify.checkpoint import CheckpointReader
 from moeify.config import build_config
-from moeify.convert import plan_conversion, run_conversion
+from moeify.conversion import plan_conversion, run_conversion
 from moeify.engines import same_share_layout
 from test_calibrate import CALIB
 from test_qwen2 import EXACT_LOGPROB, altered_logprob_diff, assert_round_trip, max_logprob_diff
@@ -59,7 +59,7 @@ def test_a_calibrated_and_tuned_qwen3_carve_verifies_inspects_and_loads(tmp_path
     """The whole pipeline on a Qwen3 source: calibration runs Qwen3's own decoder layers, tuning distils towards the
     Qwen3 teacher, `verify --against` finds every non-FFN tensor (q/k norms included) equal to the source's and the
     all-experts logits of a training-free carve equal, and `inspect` reads the output."""
-    from moeify.tune import TuneOptions, tune_output
+    from moeify.tuning import TuneOptions, tune_output
     from moeify.verify import verify_checkpoint
     from conftest import load
 
@@ -94,9 +94,6 @@ def test_qwen3_refusals(tmp_path, tokenizer_dir):
     line = assert_refused(cli("convert", src, tmp_path / "o", "-n", "4", "-k", "2", "--shared", "2"),
                           "Qwen3-MoE", "has no shared expert", "--format qwen3_moe --shared 0")
     assert "67% active" in line  # (2 + 2) / (4 + 2)
-    # the presets (a shared-expert Qwen2-MoE layout) too, before their format key is reached
-    assert_refused(cli("convert", src, tmp_path / "o", "--preset", "configs/active-50.toml", "--weight-only"),
-                   "has no shared expert", "--shared 0")
     assert_refused(cli("convert", src, tmp_path / "o", "-n", "4", "-k", "2", "--shared", "2", "--format",
                        "qwen3_moe"), "--format qwen3_moe cannot hold shared experts")
     # llama.cpp's qwen3moe has experts in every layer: a dense layer is refused for that target, kept for the others
@@ -110,6 +107,22 @@ def test_qwen3_refusals(tmp_path, tokenizer_dir):
     assert_refused(cli("convert", sliding, tmp_path / "o", "-n", "4", "-k", "2"), "use_sliding_window = true",
                    "Qwen3-MoE")
     assert not (tmp_path / "o").exists()
+
+
+def test_a_preset_resolves_for_qwen3_without_a_shared_expert_and_says_so(tmp_path, tokenizer_dir):
+    """The presets name a shared-expert Qwen2-MoE layout; a Qwen3 source gets the same active share without one
+    (Qwen3-MoE has none), in Qwen3-MoE, with a note; --shared given keeps the refusal above."""
+    src = build_dense(tmp_path / "dense", tokenizer_dir, **QWEN3)  # d_ff 96
+    for preset, k, n in (("active-50", 16, 32), ("active-25", 12, 48)):  # 96 = 32 x 3 = 48 x 2
+        result = cli("convert", src, tmp_path / preset, "--preset", preset, "--weight-only", "--json",
+                     tmp_path / f"{preset}.json")
+        assert result.exit_code == 0, result.output
+        said = " ".join(result.output.split())
+        assert (f"note: Qwen3-MoE (the one stock class with Qwen3's q/k norms) holds no shared expert: the preset's "
+                f"{preset[-2:]}% active resolves without one, to top-{k} of {n} routed experts") in said
+        config = json.loads((tmp_path / preset / "config.json").read_text())
+        assert config["model_type"] == "qwen3_moe" and config["num_experts"] == n
+        assert config["num_experts_per_tok"] == k and not config.get("shared_expert_intermediate_size")
 
 
 def test_the_same_share_layout_takes_a_quantizable_width():

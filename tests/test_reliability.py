@@ -253,7 +253,7 @@ CASES = {
     "dense-layers-all": (None, ["--dense-layers", "0,1,2"], ["every layer"]),
     "shard-size-garbage": (None, ["--max-shard-size", "big"], ["--max-shard-size 'big'"]),
     "method-unknown": (None, ["--method", "magic"], ["--method 'magic'", "gate-cluster"]),
-    "preset-missing": (None, ["--preset", "{tmp}/nope.toml"], ["nope.toml not found", "configs/active-50.toml"]),
+    "preset-missing": (None, ["--preset", "{tmp}/nope.toml"], ["nope.toml not found (the presets: active-25, active-50)", "--preset active-50"]),
     "pad-experts-not-multiple-of-8": (None, ["--pad-experts-to", "100"],
                                       ["--pad-experts-to must be a positive multiple of 8, got 100", "128 or 256"]),
     "json-unwritable": (None, ["--dry-run", "--json", "{tmp}/src/config.json/plan.json"],
@@ -315,12 +315,15 @@ def _help_text(*command: str) -> str:
 
 
 def test_help_cites_an_existing_preset_name_and_one_json_convention():
-    """--help names the recommended preset configs/active-50.toml (configs/e8k2.toml never existed), and every
-    command's --json takes PATH (a file) or '-' (stdout)."""
+    """--help names the recommended preset by the name that works from an installed package (active-50; e8k2 never
+    existed), and every command's --json takes PATH (a file) or '-' (stdout)."""
+    from moeify.config import preset_names
+
     text = _help_text("convert")
-    assert "configs/active-50.toml" in text and "e8k2" not in text
+    assert "--preset active-50" in text and "[default: active-50 when no" in text and "e8k2" not in text
+    assert "active-50" in preset_names()
     # the defaults the help texts state are shown (as rich markup, "[default: 8]" would vanish from the output)
-    assert "Routed experts per layer [default: 8]." in text and "[default: fitted;" in text
+    assert "[default: the preset's; with --top-k/--shared but no preset, 8]." in text and "[default: fitted;" in text
     for command in ("convert", "eval", "plan", "verify", "inspect"):
         text = _help_text(command)
         assert "--json PATH|-" in text and "to stdout with '-'" in text, command
@@ -391,7 +394,7 @@ def test_enough_free_space_counts_the_output(tmp_path, source, monkeypatch):
 
 
 def test_internal_error_exits_1_and_leaves_nothing(tmp_path, source, monkeypatch):
-    import moeify.convert as convert
+    import moeify.conversion as convert
 
     def boom(*args, **kwargs):
         (tmp_path / "out.moeify-partial" / "model.safetensors").write_bytes(b"half")
@@ -404,7 +407,7 @@ def test_internal_error_exits_1_and_leaves_nothing(tmp_path, source, monkeypatch
 
 
 def test_ctrl_c_leaves_nothing(tmp_path, source, monkeypatch):
-    import moeify.convert as convert
+    import moeify.conversion as convert
 
     def interrupted(plan, writer, *args, **kwargs):
         writer.write("model.embed_tokens.weight", plan.reader.get("model.embed_tokens.weight"))
@@ -418,7 +421,7 @@ def test_ctrl_c_leaves_nothing(tmp_path, source, monkeypatch):
 
 def test_an_internally_inconsistent_output_is_not_committed(tmp_path, source, monkeypatch):
     """convert runs the cheap part of verify on its output: a config.json that disagrees with the shards is a bug."""
-    import moeify.convert as convert
+    import moeify.conversion as convert
 
     real = convert.target_config
     monkeypatch.setattr(convert, "target_config", lambda *a, **k: {**real(*a, **k), "num_local_experts": 5})

@@ -20,7 +20,7 @@ from moeify.writer import BackgroundWriter, ShardLayout, ShardWriter
 from moeify.compensate import refit_down, routing_mask
 from moeify.config import build_config
 from moeify.errors import MoeifyError
-from moeify.convert import plan_conversion, run_conversion
+from moeify.conversion import plan_conversion, run_conversion
 from moeify.experts import _scaled
 from moeify.partition import Partition, _balanced_assign_ssp, assignment_prices, balanced_assign, balanced_kmeans
 

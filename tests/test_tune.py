@@ -10,7 +10,7 @@ import torch
 from conftest import build_dense, max_logit_diff
 from moeify.compensate import routing_mask
 from moeify.config import build_config
-from moeify.convert import plan_conversion, run_conversion
+from moeify.conversion import plan_conversion, run_conversion
 from moeify.errors import MoeifyError
 from moeify.partition import Partition
 from moeify.layerfit import FitSettings, masked_ffn, fit_layer

@@ -13,8 +13,8 @@ import pytest
 
 from conftest import build_dense, edit_json, tree_hash
 from moeify.config import build_config
-from moeify.convert import plan_conversion, run_conversion
-from moeify.tune import TuningInterrupted, state_dir, tune_output
+from moeify.conversion import plan_conversion, run_conversion
+from moeify.tuning import TuningInterrupted, state_dir, tune_output
 from test_calibrate import CALIB
 from test_reliability import assert_refused, cli
 from test_tune_stage import CARVE, OPTS, _interrupt_at
@@ -233,7 +233,7 @@ def test_the_dry_run_refuses_as_the_run_does(models, tmp_path):
 def test_a_late_refusal_of_a_new_run_removes_the_state_it_began(models, tmp_path, monkeypatch):
     """A refusal no check found before the state directory was begun (here: the teacher fails to load) leaves no
     state behind, since nothing in it is work a --resume would use."""
-    import moeify.tune.run as run_mod
+    import moeify.tuning.run as run_mod
     from moeify.errors import MoeifyError
 
     def refuse(*a, **k):

@@ -20,9 +20,9 @@ from transformers import AutoModelForCausalLM
 
 from conftest import build_dense, load
 from moeify.config import build_config
-from moeify.convert import plan_conversion, run_conversion
+from moeify.conversion import plan_conversion, run_conversion
 from moeify.errors import MoeifyError
-from moeify.tune import TuneOptions, TuningInterrupted, estimate_run, state_dir, tune_output
+from moeify.tuning import TuneOptions, TuningInterrupted, estimate_run, state_dir, tune_output
 from moeify.verify import verify_checkpoint
 from test_calibrate import CALIB
 
@@ -151,7 +151,7 @@ def test_interrupted_run_resumes_to_the_uninterrupted_weights(carved, tmp_path):
 def test_interrupted_sampling_resumes_at_its_next_batch(carved, tmp_path, monkeypatch):
     """Ctrl-C while the dense model samples the tuning text: the batches done are kept, --resume samples the rest
     under the same seeds, and the run ends as an uninterrupted one."""
-    import moeify.tune.data as tune_data
+    import moeify.tuning.data as tune_data
 
     monkeypatch.setattr(tune_data, "SAMPLE_BATCH", 8)
     dense, carve = carved
@@ -365,7 +365,7 @@ def test_memory_model_counts_what_tuning_holds(carved):
     from moeify.moe_block import MaskedMoE
     from moeify.families import load_source
     from moeify.memory import source_tuning_memory
-    from moeify.tune import build_student, read_output
+    from moeify.tuning import build_student, read_output
     from transformers import AutoModelForCausalLM
 
     dense, carve = carved
@@ -471,9 +471,9 @@ def test_teacher_pass_and_sampling_run_in_step_with_the_busiest_rank(carved, tmp
     forwards as the busiest one: rank 1 computes only its own batches and pads every round with one-token (teacher
     pass) or one-window (sampling) forwards up to the other rank's count."""
     from moeify.distill import DistillSettings
-    from moeify.tune.data import SAMPLE_BATCH, drawn_windows, sampled_windows
-    from moeify.tune.state import _atomic_save
-    from moeify.tune.teacher import TARGET_BATCH, teacher_pass
+    from moeify.tuning.data import SAMPLE_BATCH, drawn_windows, sampled_windows
+    from moeify.tuning.state import _atomic_save
+    from moeify.tuning.teacher import TARGET_BATCH, teacher_pass
 
     dense, _ = carved
     teacher = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
@@ -513,7 +513,7 @@ def test_gpu_sample_batch_fills_half_the_free_memory_between_64_and_1024_windows
     """On a GPU sampling is launch-bound, so the batch grows into half the free memory (at the memory model's
     bytes a window), never below the CPU's 64 (what the memory check counted) nor above 1,024 or the run's need."""
     from moeify.memory import sampling_bytes_per_window
-    from moeify.tune.data import gpu_sample_batch
+    from moeify.tuning.data import gpu_sample_batch
 
     w = sampling_bytes_per_window(seq=512, n_layers=30, kv_heads=3, head_dim=64, hidden=576, vocab=49152)
     assert w == 512 * (30 * 2 * 3 * 64 * 4 + 576 * 4) + 49152 * 8  # SmolLM2-135M: 25.2 MB a window
@@ -540,9 +540,9 @@ def test_attention_shape_defaults_and_explicit_values():
 def test_sampling_resumes_at_the_batch_size_it_started_with(carved, tmp_path, monkeypatch):
     """The batch size is kept in the sampling folder: a run resumed on another machine (or with less GPU memory
     free) samples its remaining batches at the size, and so under the seeds, of its first ones."""
-    import moeify.tune.data as tune_data
+    import moeify.tuning.data as tune_data
     from moeify.parallel import Parallel
-    from moeify.tune.data import sampled_windows
+    from moeify.tuning.data import sampled_windows
 
     dense, _ = carved
     teacher = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
@@ -571,7 +571,7 @@ def test_teacher_pass_frees_the_teachers_ffns_and_trains_what_the_teacher_in_the
     if called). The targets are the values the teacher in the loop computes (float32, the same batching), so the
     output is bit-identical to the run with the teacher inside the loop."""
     import moeify.distill as distill_mod
-    from moeify.tune.teacher import _FreedFFN
+    from moeify.tuning.teacher import _FreedFFN
 
     dense, carve = carved
     # real text only: a run with the teacher in the loop keeps no sampled hidden states (it computes them there)
@@ -654,7 +654,7 @@ def test_offload_is_chosen_when_the_gpu_is_too_small_otherwise(carved):
 
 def test_a_run_that_does_not_fit_is_refused_before_any_work(carved, tmp_path, monkeypatch):
     import moeify.memory as memory_mod
-    import moeify.tune.sizing as tune_sizing
+    import moeify.tuning.sizing as tune_sizing
 
     dense, carve = carved
     monkeypatch.setattr(memory_mod, "device_memory", lambda device: 50 * 10**6)  # a 50 MB device
@@ -739,7 +739,7 @@ def test_a_saved_state_is_written_one_tensor_at_a_time(tmp_path):
     import weakref
 
     from moeify.distill import Pending
-    from moeify.tune.state import SavedTensors, _stream_save
+    from moeify.tuning.state import SavedTensors, _stream_save
 
     alive, produced = [], []
 
@@ -768,7 +768,7 @@ def test_a_sharded_student_is_sharded_layer_by_layer_as_it_is_built(carved, monk
     student's experts at once (a 70B student is 224 GB in float32)."""
     import moeify.moe_block as moe_block_mod
     from moeify.checkpoint import CheckpointReader
-    from moeify.tune import build_student, read_output
+    from moeify.tuning import build_student, read_output
 
     built, seen = [], []
 

@@ -1,4 +1,4 @@
-"""The tuning step at a GPU's size, checked on the CPU: how a run sizes its steps (moeify.tune.sizing.step_size),
+"""The tuning step at a GPU's size, checked on the CPU: how a run sizes its steps (moeify.tuning.sizing.step_size),
 that one large step trains what the same tokens as accumulated micro-batches train, that the grouped and masked
 MoE kernels train alike, and that runs with large steps, micro-batches of several windows and the teacher in the
 loop resume bit-identically from what run.json recorded."""
@@ -12,8 +12,8 @@ import torch
 from safetensors import safe_open
 
 from moeify.errors import MoeifyError
-from moeify.tune import TuneOptions, TuningInterrupted, read_output, state_dir, tune_output
-from moeify.tune.sizing import MAX_STEP, REFERENCE_STEP, step_size
+from moeify.tuning import TuneOptions, TuningInterrupted, read_output, state_dir, tune_output
+from moeify.tuning.sizing import MAX_STEP, REFERENCE_STEP, step_size
 from test_tune_stage import _assert_identical, _copy, _interrupt_at, carved  # noqa: F401 (carved: a fixture)
 
 SEQ = 64  # the carve's windows
@@ -44,7 +44,7 @@ def test_a_gpu_step_is_the_tokens_over_256_and_its_forward_as_large_as_memory_al
     assert step_size(dense, bo, TuneOptions(tokens=1 << 20, step_tokens=2048), SEQ, "cuda") == (2048, 32)
 
     from moeify.distill import DistillSettings
-    from moeify.tune.sizing import GPU_STEP_SHARE, predicted_memory
+    from moeify.tuning.sizing import GPU_STEP_SHARE, predicted_memory
 
     opts = TuneOptions(tokens=16 << 20)
     peak = {m: predicted_memory(dense, bo, opts, SEQ, "cuda", DistillSettings(tokens=1, micro_windows=m)).peak
@@ -122,7 +122,7 @@ def test_a_run_with_large_steps_and_the_teacher_in_the_loop_resumes_bit_identica
     """A run sized as a GPU sizes it (here: 2,048-token steps of 4-window forwards, the teacher in the loop, no
     sampled hidden states kept) records its step in run.json; interrupted and resumed it ends with the weights of
     the uninterrupted run, though the resumed process would size its steps otherwise."""
-    import moeify.tune.run as run_mod
+    import moeify.tuning.run as run_mod
 
     monkeypatch.setattr(run_mod, "step_size", lambda *a, **k: (2048, 4))
     dense, carve = carved
@@ -159,7 +159,7 @@ def test_the_teacher_runs_in_the_loop_only_on_one_gpu_with_room_for_its_ffns(car
     """The teacher in the loop keeps its FFNs (bf16 under autocast) beside the student: the memory model counts
     them, and a run takes the teacher pass instead where they would not fit, across processes, offloaded, or on a
     CPU."""
-    from moeify.tune.sizing import predicted_memory, teacher_inline
+    from moeify.tuning.sizing import predicted_memory, teacher_inline
 
     dense, carve = carved
     bo, opts = read_output(carve), TuneOptions(tokens=1 << 20)
@@ -171,7 +171,7 @@ def test_the_teacher_runs_in_the_loop_only_on_one_gpu_with_room_for_its_ffns(car
     assert not teacher_inline(dense, bo, opts, SEQ, "cuda", world=2)
     assert not teacher_inline(dense, bo, opts, SEQ, "cuda", offload=True)
     assert not teacher_inline(dense, bo, opts, SEQ, "cpu")
-    import moeify.tune.sizing as sizing  # a GPU with room for the pass's run and not the loop's (the tiny model's
+    import moeify.tuning.sizing as sizing  # a GPU with room for the pass's run and not the loop's (the tiny model's
     # peak is its sampling, the same either way: the decision is checked against a stand-in model)
     monkeypatch.setattr(sizing, "predicted_memory", lambda *a, inline=False, **k: type("M", (), {
         "peak": 2 * passed.tuning_peak if inline else passed.tuning_peak})())

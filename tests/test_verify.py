@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from conftest import build_dense, edit_json, rewrite
 from moeify.cli import app
 from moeify.config import build_config
-from moeify.convert import plan_conversion, run_conversion
+from moeify.conversion import plan_conversion, run_conversion
 from moeify.verify import verify_checkpoint
 
 EXPERT = "model.layers.1.block_sparse_moe.experts.2."

@@ -29,7 +29,7 @@ class TuneOptions:
     seed: int | None = None  # None: the output's seed, moved on by the number of earlier runs (fresh text each run)
     schedule: str = "continue"  # continue: the step size follows one cosine over the output's earlier tuning tokens
     # and these (a doubling starts at half the peak and decays to 0); restart: a whole cosine from the peak
-    step_tokens: int | None = None  # tokens an optimizer step; None: the device's (moeify.tune.sizing.step_size),
+    step_tokens: int | None = None  # tokens an optimizer step; None: the device's (moeify.tuning.sizing.step_size),
     # resolved when the run starts and recorded, so a resumed run steps alike
 
     def validate(self) -> None:

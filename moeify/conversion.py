@@ -17,9 +17,10 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file
 
-from . import __version__
+from .version import __version__
 from .budget import Budget, carve_budget, padded_width
-from .checkpoint import DTYPE_NAMES, SPILL_DIR, CheckpointReader, TensorInfo, check_links
+from .checkpoint import DTYPE_NAMES, PARTIAL_SUFFIX, SPILL_DIR, CheckpointReader, TensorInfo, check_links
+from .card import copy_licence, write as write_card
 from .config import ConvertConfig, config_to_dict, config_to_toml
 from .errors import MoeifyError
 from .numerics import release_memory
@@ -85,7 +86,7 @@ class ConversionPlan:
 
     def summary(self) -> dict:
         """The plan as `convert --dry-run --json` writes it: settings, widths, budget, output size, serving fit."""
-        from .plan import serving_json
+        from .planning import serving_json
 
         b = self.budget
         return {"source": str(self.src.path), "format": self.fmt, "output_dtype": str(self.out_dtype).removeprefix("torch."),
@@ -236,9 +237,9 @@ def run_conversion(plan: ConversionPlan, out: str | Path, *, overwrite: bool = F
     With calibration, a first pass runs the calibration tokens through the model layer by layer and carves
     each layer (refit down_proj spilled to OUT's temporary directory); the second pass streams the output.
     With --tune-tokens the carve is written to OUT.moeify-tune/carved instead of OUT, and the tuning stage
-    (moeify.tune, the code `moeify tune` runs) tunes it and writes OUT; an interrupted tuning resumes there.
+    (moeify.tuning, the code `moeify tune` runs) tunes it and writes OUT; an interrupted tuning resumes there.
     """
-    from .tune import options_from_config, refuse_leftover_state, state_dir, tune_output
+    from .tuning import options_from_config, refuse_leftover_state, state_dir, tune_output
 
     out = Path(out)
     src = plan.src
@@ -368,6 +369,8 @@ def _write_metadata(plan: ConversionPlan, tmp: Path, layers_report: list[dict], 
               "total_params": b.total_params, "active_params": b.active_params, "ffn_flops_ratio": b.flops_ratio,
               "seconds": round(seconds, 3), "calibration": calib_info, "layers": layers_report}
     (tmp / "report.json").write_text(json.dumps(report) + "\n")
+    copy_licence(plan.src.path, tmp)
+    write_card(tmp, name=tmp.name.removesuffix(PARTIAL_SUFFIX))
     return report
 
 

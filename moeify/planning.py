@@ -41,6 +41,7 @@ class MoePlan:
     other_params: int  # everything that is not an FFN: embeddings (+ lm_head), attention, norms
     regimes: list[Regime]
     layout: object = None  # the preset's Layout (moeify/layout.py) these counts were resolved from, if any
+    alternatives: list = dataclasses.field(default_factory=list)  # the layout each --serve format would get
 
     @property
     def dense_params(self) -> int:
@@ -68,6 +69,7 @@ class MoePlan:
             "tuning_memory": self.tuning_memory(),
             "layout": None if self.layout is None else {**dataclasses.asdict(self.layout),
                                                         "quanta": list(self.layout.quanta)},
+            "alternatives": self.alternatives,
         }
 
     def tuning_memory(self) -> list[dict]:
@@ -195,19 +197,39 @@ def serving_advice(d_ff: int, experts: int, shared: int, width: int) -> list[str
 
 
 def plan_preset(src: SourceModel, preset: str | Path, *, experts: int | None = None, shared: int | None = None,
-                top_k: int | None = None, expert_width: int | None = None) -> MoePlan:
-    """The plan of the layout a preset gives this model: its [layout] resolved for src.d_ff (flags win), or its
-    counts as written."""
-    from .config import load_preset
-    from .layout import needs_resolution, resolve_into
+                top_k: int | None = None, expert_width: int | None = None, serve: str | None = None) -> MoePlan:
+    """The plan of the layout a preset gives this model: its [layout] resolved for src.d_ff (flags win; for the
+    serving format `serve`, else the preset's own widths), or its counts as written; with the layout every serving
+    format would get beside it (alternatives)."""
+    from .config import load_preset, resolve_preset
+    from .layout import needs_resolution
 
     values = load_preset(preset)
-    values.update({k: v for k, v in (("experts", experts), ("shared", shared), ("top_k", top_k)) if v is not None})
+    given = {k: v for k, v in (("experts", experts), ("shared", shared), ("top_k", top_k)) if v is not None}
+    values.update(given)
+    alternatives = serve_alternatives(values, src, given)
     if needs_resolution(values):
-        values = resolve_into(values, src.d_ff)
+        values = resolve_preset(values, src.d_ff, src.qk_norm, given=given, serve=serve)
     plan = plan_moe(src, experts=values.get("experts", 8), top_k=values.get("top_k", 2),
                     shared=values.get("shared", 0), expert_width=expert_width)
-    return dataclasses.replace(plan, layout=values.get("layout"))
+    return dataclasses.replace(plan, layout=values.get("layout"), alternatives=alternatives)
+
+
+def serve_alternatives(values: dict, src: SourceModel, given: dict | None = None) -> list[dict]:
+    """The layout a preset (values: merged with the flags `given`) gets for each serving format (--serve), for the
+    one table `plan` and `convert --dry-run` print; [] when its counts need no resolving."""
+    from .config import resolve_preset
+    from .layout import SERVE_QUANTA, needs_resolution
+
+    if not needs_resolution(values):
+        return []
+    rows = []
+    for fmt in SERVE_QUANTA:
+        r = resolve_preset(dict(values), src.d_ff, src.qk_norm, given=given, serve=fmt)
+        rows.append({"serve": fmt, "experts": r["experts"], "shared": r["shared"], "top_k": r["top_k"],
+                     "width": src.d_ff // (r["experts"] + r["shared"]),
+                     "active": (r["top_k"] + r["shared"]) / (r["experts"] + r["shared"])})
+    return rows
 
 
 def plan_from_path(path: str | Path, **kwargs) -> MoePlan:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import CheckpointReader
+from ..checkpoint import PARTIAL_SUFFIX, CheckpointReader
+from ..card import copy_licence, write as write_card
 from ..writer import ShardLayout, ShardWriter
 from ..config import ConvertConfig, build_config, config_to_toml
 from ..errors import MoeifyError
@@ -184,6 +185,8 @@ def write_tuned(base: BaseOutput, reader: CheckpointReader, student, tmp: Path, 
     text += "\n[tuning]\n" + "\n".join(f"{k} = {json.dumps(v)}" for k, v in toml_tuning.items()) + "\n"
     (tmp / "moeify.toml").write_text(text)
     (tmp / "report.json").write_text(json.dumps(report) + "\n")
+    copy_licence(base.path, tmp)  # the base's copies of the source's licence files
+    write_card(tmp, name=tmp.name.removesuffix(PARTIAL_SUFFIX))  # (evaluation.json measured the untuned model: not kept)
 
 
 def _check_written(tmp: Path, reader: CheckpointReader) -> None:

@@ -1,0 +1,197 @@
+"""moeify from Python: convert, tune, evaluate and plan, with typed arguments, results as objects, errors as
+MoeifyError (never an exit of the process) and progress through a callback. The command line parses its flags,
+calls these and renders what they return.
+
+    import moeify
+
+    result = moeify.convert("Qwen/Qwen2.5-0.5B", "out/qwen-moe", preset="active-50", tune=False)
+    print(result.report["ffn_flops_ratio"], result.out / "README.md")
+    moeify.tune("Qwen/Qwen2.5-0.5B", "out/qwen-moe", tokens=262_144)
+    scores = moeify.evaluate(["Qwen/Qwen2.5-0.5B", "out/qwen-moe"], data="valid.txt")
+    print(moeify.plan("meta-llama/Llama-3.1-70B", preset="active-25").regimes)   # config.json only
+
+A checkpoint is a folder or a Hugging Face Hub id (`org/name`, `org/name@revision`; moeify.hub). progress is called
+as progress(stage, done, total) (and a note, for tuning), as the command line's progress bars are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from .config import DEFAULT_PRESET, build_config
+from .errors import MoeifyError
+from .hub import resolve
+
+Progress = Callable[..., None]
+LAYOUT_FLAGS = ("experts", "top_k", "shared")
+
+
+@dataclass
+class Conversion:
+    """What `convert` did: where the output is, its report.json, and the notes on how the settings resolved."""
+
+    out: Path
+    report: dict
+    notes: list[str] = field(default_factory=list)
+    nonfinite: list[str] = field(default_factory=list)  # source tensors with NaN/Inf converted as they were
+
+
+def prepare_conversion(src: str | Path, *, preset: str | Path | None = None, tune: bool | int | None = None,
+                       weight_only: bool = False, calib: Sequence[str | Path] | None = None,
+                       serve: str | None = None, allow_pickle: bool = False, allow_nonfinite: bool = False,
+                       force: bool = False, **settings):
+    """The conversion's plan (moeify.conversion.ConversionPlan: layout, tensors, budget, engine notes) and the notes
+    on how the settings resolved, before anything is written (`moeify convert --dry-run` prints this).
+
+    No preset and no --experts/--top-k/--shared: the recommended preset (DEFAULT_PRESET), said in a note. tune:
+    None as the preset says, False none, an int that many tokens. serve: the serving format the preset's layout is
+    resolved for (moeify.layout.SERVE_QUANTA: k-quants, fp8, q8_0, bf16; default: the preset's own widths)."""
+    from .conversion import plan_conversion
+
+    notes: list[str] = []
+    unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(_config_type())} - {"max_shard_size"})
+    if unknown:
+        raise MoeifyError(f"convert() got unknown setting(s): {', '.join(unknown)}",
+                          "the settings are ConvertConfig's fields (moeify.config), as `moeify convert --help` names them")
+    if weight_only and calib:
+        raise MoeifyError("--weight-only and --calib contradict each other", "pass one of them")
+    if preset is None and all(settings.get(k) is None for k in LAYOUT_FLAGS):
+        preset = DEFAULT_PRESET
+        notes.append(f"no layout given: the {DEFAULT_PRESET} preset (half the FFN active: a shared expert and "
+                     "fine-grained routed experts; --preset active-25 for a quarter, --experts/--top-k/--shared "
+                     "for your own)")
+    source = resolve(src)
+    if tune is False:
+        settings.update(tune_tokens=0, fit_epochs=0)
+    elif tune is not None and tune is not True:
+        settings["tune_tokens"] = int(tune)
+    cfg = build_config(preset, default_calib=not weight_only, source=source, weight_only=weight_only, notes=notes,
+                       serve=serve, calib=None if calib is None else tuple(str(c) for c in calib), **settings)
+    plan = plan_conversion(source, cfg, allow_pickle=allow_pickle, allow_nonfinite=allow_nonfinite, force=force)
+    return plan, notes
+
+
+def _config_type():
+    from .config import ConvertConfig
+
+    return ConvertConfig
+
+
+def run_prepared(plan, out: str | Path, notes: list[str] | None = None, *, overwrite: bool = False,
+                 progress: Progress | None = None, memory_check: bool = True) -> Conversion:
+    """Write the output a prepared conversion plans (and tune it, if its settings say so)."""
+    from .conversion import run_conversion
+
+    report = run_conversion(plan, out, overwrite=overwrite, progress=progress, memory_check=memory_check)
+    return Conversion(Path(out), report, list(notes or []), list(plan.reader.nonfinite))
+
+
+def convert(src: str | Path, out: str | Path, *, preset: str | Path | None = None, tune: bool | int | None = None,
+            calib: Sequence[str | Path] | None = None, weight_only: bool = False, serve: str | None = None,
+            overwrite: bool = False, progress: Progress | None = None, memory_check: bool = True,
+            allow_pickle: bool = False, allow_nonfinite: bool = False, force: bool = False,
+            **settings) -> Conversion:
+    """Carve the dense checkpoint `src` (a folder or a Hub id) into the MoE checkpoint `out`, all or nothing.
+
+    preset: a preset by name ("active-50", "active-25") or a TOML file; none and no experts/top_k/shared: the
+    recommended one. tune: None as the preset says (262,144 tokens of recovery tuning), False none, or a token
+    count. calib: calibration text files (default: the preset's, else the bundled sample). serve: the serving
+    format the preset's layout suits (k-quants, fp8, q8_0, bf16; README "Presets at your model's shape"). settings: any other
+    conversion setting (experts, top_k, shared, format, dtype, max_shard_size, ...), as `moeify convert` names them
+    with '_' for '-'. Returns the output's path, report.json and the notes on how the settings resolved."""
+    plan, notes = prepare_conversion(src, preset=preset, tune=tune, weight_only=weight_only, calib=calib,
+                                     serve=serve, allow_pickle=allow_pickle, allow_nonfinite=allow_nonfinite, force=force,
+                                     **settings)
+    return run_prepared(plan, out, notes, overwrite=overwrite, progress=progress, memory_check=memory_check)
+
+
+def tune(src: str | Path, out: str | Path, tokens: int | None = None, *, resume: bool = False, restart: bool = False,
+         device: str = "auto", save_every: float = 600.0, progress: Progress | None = None,
+         notify: Callable[[str], None] | None = None, memory_check: bool = True, offload: bool | None = None,
+         timeout: float | None = None, **options) -> dict:
+    """Recovery tuning of the moeify output `out` towards its dense source `src` (a folder or a Hub id) on `tokens`
+    fresh tokens; written back to `out` all or nothing. Returns the new report.json. resume: continue an interrupted
+    run (its own settings; options given must agree). options: lr, generated, calib, tune_text, train_router,
+    train_attention, seed, schedule, step_tokens (moeify.tuning.TuneOptions). Under torchrun each process calls it."""
+    from .tuning import TuneOptions, tune_output
+
+    given = {k: v for k, v in options.items() if v is not None}
+    unknown = sorted(set(given) - {f.name for f in dataclasses.fields(TuneOptions)} - {"tokens"})
+    if unknown:
+        raise MoeifyError(f"tune() got unknown option(s): {', '.join(unknown)}",
+                          f"the options are TuneOptions' fields: {', '.join(f.name for f in dataclasses.fields(TuneOptions))}")
+    opts = None
+    if not resume:
+        if tokens is None:
+            raise MoeifyError("tokens is required (the tuning budget of this run)",
+                              f"e.g. moeify tune {src} {out} --tokens 262144; or resume an interrupted run")
+        opts = TuneOptions(tokens=tokens, **given)
+    given = {"tokens": tokens, **given} if resume else None
+    return tune_output(resolve(src), out, opts, resume=resume, restart=restart, device=device, save_every=save_every,
+                       progress=progress, notify=notify, given=given, memory_check=memory_check, offload=offload,
+                       timeout=timeout)
+
+
+def evaluate(models: Sequence[str | Path], data: str | Path | None = None, *, progress: Progress | None = None,
+             **settings):
+    """Perplexity of every model (folders or Hub ids; the first is the reference) on the same tokens and windows,
+    with parameters, tokens/s and routing statistics (moeify.evaluation.EvalResult). settings: seq_len, stride,
+    max_tokens, batch_size, device, dtype, oracle, kl (moeify.evaluation.EvalSettings). Each moeify output among
+    the others records its perplexity beside the first model's in its card (OUT/README.md, OUT/evaluation.json)."""
+    from dataclasses import asdict
+
+    from .card import record_evaluation
+    from .evaluation import EvalSettings, evaluate as run
+    from .hub import hub_origin
+
+    result = run([resolve(m, what="model") for m in models], data, EvalSettings(**settings), progress=progress)
+    whole = result.to_json()
+    for m in result.models[1:]:  # a moeify output here (not a Hub download) keeps its numbers in its card
+        path = Path(m.path)
+        if (path / "moeify.toml").is_file() and (path / "report.json").is_file() and hub_origin(path) is None:
+            record_evaluation(path, whole, asdict(result.models[0]), asdict(m))
+    return result
+
+
+def plan(src: str | Path, *, preset: str | Path | None = None, experts: int | None = None,
+         top_k: int | None = None, shared: int | None = None, expert_width: int | None = None,
+         serve: str | None = None):
+    """Parameters, active parameters and FFN FLOPs per token of the MoE a preset (or explicit counts) makes of
+    `src`: a folder, a config.json, or a Hub id (only its config.json is fetched); with a preset, for the serving
+    format `serve`, and the layout every format would get (.alternatives). Returns moeify.planning.MoePlan."""
+    from .families import read_source_config
+    from .planning import plan_moe, plan_preset
+
+    source = read_source_config(resolve(src, config_only=True))
+    if preset is None and all(v is None for v in (experts, top_k, shared)):
+        preset = DEFAULT_PRESET
+    if preset is not None:
+        return plan_preset(source, preset, experts=experts, shared=shared, top_k=top_k, expert_width=expert_width,
+                           serve=serve)
+    if serve is not None:
+        raise MoeifyError(f"--serve {serve} chooses among a preset's layouts; explicit counts leave none to choose",
+                          "pass a preset (e.g. --preset active-50), or drop --serve")
+    return plan_moe(source, experts=8 if experts is None else experts, top_k=2 if top_k is None else top_k,
+                    shared=0 if shared is None else shared, expert_width=expert_width)
+
+
+def serve_layouts(src: str | Path, *, preset: str | Path | None = None, **counts) -> list[dict]:
+    """The layout the preset (default: the recommended one, when no count is given) gets for each serving format."""
+    from .config import load_preset
+    from .families import read_source_config
+    from .planning import serve_alternatives
+
+    given = {k: counts.get(k) for k in LAYOUT_FLAGS if counts.get(k) is not None}
+    if preset is None and not given:
+        preset = DEFAULT_PRESET
+    if preset is None:
+        return []
+    values = {**load_preset(preset), **given}
+    return serve_alternatives(values, read_source_config(resolve(src, config_only=True)), given)
+
+
+__all__ = ["Conversion", "convert", "tune", "evaluate", "plan", "prepare_conversion", "run_prepared", "serve_layouts",
+           "MoeifyError"]

@@ -1,0 +1,154 @@
+"""The model card every output carries: OUT/README.md, which the Hugging Face Hub shows for an uploaded model.
+
+YAML front matter the Hub reads (huggingface_hub's ModelCardData: base_model where the source came from the Hub,
+base_model_relation, library_name, pipeline_tag, tags, the source's licence where its card states one) and a body a
+reader can act on: what was done (carved training-free, or tuned on N tokens), the layout (experts, shared expert,
+top-k, active share, total and active parameters), how to load it in transformers, vLLM and llama.cpp, the quality
+measured (the carve's per-layer error, tuning's held-out KL, and `moeify eval`'s perplexities once it has run), and
+the recipe (OUT/moeify.toml). Written from the output's own files, with no network; convert writes it, tune and eval
+write it again.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+CARD = "README.md"
+EVALUATION = "evaluation.json"  # `moeify eval`'s numbers for this output, which the card shows
+LICENCE_FILES = ("LICENSE", "LICENSE.txt", "LICENSE.md", "LICENCE", "LICENCE.txt", "NOTICE")
+MODEL_CLASSES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+def source_licence(src: Path) -> str | None:
+    """The licence the source's own card states in its front matter (`license: apache-2.0`), if any."""
+    card = Path(src) / CARD
+    if not card.is_file() or not card.read_text(errors="replace").startswith("---"):
+        return None  # no front matter: no licence stated
+    try:
+        from huggingface_hub import ModelCard
+
+        value = ModelCard.load(card).data.to_dict().get("license")
+    except Exception:  # a card that is not a Hub card: no licence to carry
+        return None
+    return value if isinstance(value, str) and value else None
+
+
+def copy_licence(src: Path, out: Path) -> None:
+    """The source's licence files go with the weights made from it."""
+    for name in LICENCE_FILES:
+        f = Path(src) / name
+        if f.is_file():
+            shutil.copyfile(f, Path(out) / name)
+
+
+def _millions(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def render(out: Path, name: str | None = None) -> str:
+    """The card of the output in `out` (its report.json, config.json, moeify.toml, evaluation.json)."""
+    from huggingface_hub import ModelCardData
+
+    from .hub import hub_origin
+
+    out = Path(out)
+    report = json.loads((out / "report.json").read_text())
+    config = json.loads((out / "config.json").read_text())
+    toml_text = (out / "moeify.toml").read_text()
+    src = Path(report.get("source", ""))
+    origin = hub_origin(src) if str(src) else None
+    base = origin[0] if origin else src.name or "the dense model"
+    fmt = report.get("format", config.get("model_type", ""))
+    settings = report.get("settings", {})
+    tuning = report.get("tuning") or {}
+    tuned = int(tuning.get("tokens", 0))
+    licence = source_licence(src) if src.is_dir() else None
+    data = ModelCardData(base_model=origin[0] if origin else None, base_model_relation="finetune" if origin else None,
+                         library_name="transformers", pipeline_tag="text-generation", license=licence,
+                         tags=["moeify", "mixture-of-experts", "moe", fmt])
+    experts, top_k, shared = settings.get("experts"), settings.get("top_k"), settings.get("shared", 0)
+    width, shared_width = report.get("expert_width"), report.get("shared_width", 0)
+    carved = [e for e in report.get("layers", []) if not e.get("dense")]
+    title = name or out.resolve().name
+    done = (f"then recovery-tuned on {tuned:,} tokens (KL distillation of the experts and routers towards the dense "
+            "model)" if tuned else "training-free (no tuning: calibration only)")
+    lines = [f"# {title}", "",
+             f"A Mixture-of-Experts model carved from {f'[{base}](https://huggingface.co/{base})' if origin else f'`{base}`'} "
+             f"by [moeify](https://pypi.org/project/moeify/) {report.get('moeify_version', '')}: every FFN's "
+             f"intermediate neurons permuted and split into experts, with a router per layer; {done}. With every "
+             "expert active it computes exactly what the dense model computes.", "",
+             "## Layout", "", "| | |", "|---|---|",
+             f"| format | `{fmt}` (transformers' `{MODEL_CLASSES.get(fmt, fmt)}`, no remote code) |",
+             f"| routed experts | {experts} of {width} neurons, top-{top_k} a token |"]
+    if shared:
+        lines.append(f"| shared expert | {shared_width} neurons, always on |")
+    lines += [f"| FFN active per token | {report.get('ffn_flops_ratio', 0):.1%} |",
+              f"| parameters | {_millions(report.get('total_params', 0))} total, "
+              f"{_millions(report.get('active_params', 0))} active per token |",
+              f"| carved layers | {len(carved)} of {len(report.get('layers', []))} |",
+              f"| dtype | {report.get('output_dtype', '')} |", "",
+              "## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+              f'model = AutoModelForCausalLM.from_pretrained("{title}")',
+              f'tokenizer = AutoTokenizer.from_pretrained("{title}")', "```", "",
+              "```bash", f"vllm serve {title}",
+              f"python convert_hf_to_gguf.py {title} --outfile {title}.gguf   # llama.cpp (then llama-quantize)",
+              "```", "", "## Quality measured", ""]
+    errors = [e["rel_error"] for e in carved if isinstance(e.get("rel_error"), (int, float))]
+    if errors:
+        worst = max(carved, key=lambda e: e.get("rel_error") or 0)
+        calib = report.get("calibration") or {}
+        lines.append(f"- At conversion: each carved FFN's output against the dense FFN's on "
+                     f"{calib.get('tokens', 0):,} calibration tokens, relative error {sum(errors) / len(errors):.3f} "
+                     f"on average (worst: layer {worst.get('layer')}, {worst.get('rel_error'):.3f}).")
+    if tuned:
+        runs = tuning.get("runs", [])
+        first = runs[0].get("holdout_kl_before") if runs else None
+        kl = f"{first:.3f} → {tuning.get('holdout_kl'):.3f}" if first is not None else f"{tuning.get('holdout_kl'):.3f}"
+        lines.append(f"- Tuning: held-out KL divergence to the dense model's next-token distributions {kl} "
+                     f"({tuned:,} tokens in {len(runs)} run(s)).")
+    lines += _evaluation_lines(out) or ["- Perplexity: not measured yet (`moeify eval DENSE THIS --data TEXT` "
+                                        "adds it here)."]
+    lines += ["", "## Recipe", "", "The settings that made it (`moeify.toml`; `moeify convert SRC OUT --preset "
+              "moeify.toml` repeats the conversion):", "", "```toml", toml_text.rstrip(), "```", ""]
+    front = data.to_yaml()
+    return f"---\n{front}\n---\n\n" + "\n".join(lines)
+
+
+def _evaluation_lines(out: Path) -> list[str]:
+    f = out / EVALUATION
+    try:
+        ev = json.loads(f.read_text()) if f.is_file() else None
+    except ValueError:
+        ev = None
+    if not ev:
+        return []
+    rows = [f"- Perplexity by `moeify eval` on {ev.get('tokens', 0):,} tokens of {ev.get('data', 'text')} "
+            f"(windows of {ev.get('seq_len')}, {ev.get('dtype', '')}):", "",
+            "| model | perplexity | × the first |", "|---|---:|---:|"]
+    for m in ev.get("models", []):
+        rows.append(f"| {m['name']} | {m['ppl']:.3f} | {m['ratio']:.3f} |")
+    return rows
+
+
+def write(out: Path, name: str | None = None) -> Path:
+    """(Re)write OUT/README.md from the output's files."""
+    path = Path(out) / CARD
+    path.write_text(render(out, name))
+    return path
+
+
+def record_evaluation(out: Path, result: dict, reference: dict, this: dict) -> None:
+    """`moeify eval`'s numbers for the output `out` (evaluation.json), and its card written again with them."""
+    data, settings = result["data"], result["settings"]
+    ev = {"data": Path(str(data.get("source", "text"))).name, "tokens": data.get("tokens"),
+          "seq_len": settings.get("seq_len"), "dtype": this.get("dtype"),
+          "models": [{"name": Path(m["path"]).name, "path": m["path"], "ppl": m["perplexity"],
+                      "ratio": m["perplexity"] / reference["perplexity"]} for m in (reference, this)]}
+    (Path(out) / EVALUATION).write_text(json.dumps(ev, indent=1) + "\n")
+    write(out)
+
+
+__all__ = ["CARD", "EVALUATION", "render", "write", "record_evaluation", "copy_licence", "source_licence"]
