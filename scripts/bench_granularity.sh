@@ -7,6 +7,9 @@
 #     bash scripts/bench_granularity.sh STEP...      e.g.  q25-76 q25-76-tune q25-152 s25-96 layers
 # A step is MODEL PRESET - SLICES [-tune]: q = Qwen2.5-Coder-0.5B (d_ff 4,864), s = SmolLM2-135M (d_ff 1,536);
 # 25 or 50 (configs/active-25.toml, active-50.toml); slices = routed + shared experts, each d_ff / slices wide.
+# SLICES ending in n: the layout the preset resolves to without a shared expert (what a Qwen3 source gets: Qwen3-MoE
+# has none; issue 44), e.g. q50-32n, s25-48n: SmolLM2 into Mixtral (top-k weights renormalised, as Qwen3-MoE does),
+# the 0.5B into Qwen2-MoE with --shared 0 (Mixtral cannot hold its q/k/v biases; Qwen2-MoE does not renormalise).
 # `layers` summarises the per-layer errors of every carve made so far (scripts/layer_errors.py).
 # Where the preset's own shared share would need top-k > 16 (llama.cpp's limit), the shared expert takes the
 # difference (same active share, top-16): q25-152, q50-76 and s50-96.
@@ -25,6 +28,7 @@ declare -A LAYOUT=(
   [q-50-38]="28 10 9" [q-50-76]="54 22 16"
   [s-25-48]="42 6 6"  [s-25-64]="56 8 8"    [s-25-96]="84 12 12"
   [s-50-48]="36 12 12" [s-50-64]="48 16 16" [s-50-96]="64 32 16"
+  [q-50-32n]="32 0 16" [q-25-38n]="38 0 10" [s-50-32n]="32 0 16" [s-25-48n]="48 0 12"
 )
 mkdir -p $RESULTS out
 score() {  # OUT LABEL JSON
@@ -43,16 +47,19 @@ for step in "$@"; do
   [ -n "${LAYOUT[$key]:-}" ] || { echo "unknown step $step (known: ${!LAYOUT[*]})" >&2; exit 2; }
   read -r n s k <<< "${LAYOUT[$key]}"
   out=out/gran-$m$p-$u
-  width=$(( $( [ $m = q ] && echo 4864 || echo 1536 ) / u ))
-  label="active-$p, $u x $width (shared $s + top-$k of $n), ${NAME[$m]}"
+  width=$(( $( [ $m = q ] && echo 4864 || echo 1536 ) / ${u%n} ))
+  label="active-$p, ${u%n} x $width (shared $s + top-$k of $n), ${NAME[$m]}"
+  [ "$s" = 0 ] && label="active-$p without a shared expert, ${u%n} x $width (top-$k of $n), ${NAME[$m]}"
   if [ -z "$tune" ]; then
+    fmt=""
+    [ "$s" = 0 ] && [ $m = s ] && fmt="--format mixtral"
     /usr/bin/time -v .venv/bin/moeify convert ${SRC[$m]} $out --preset configs/active-$p.toml --experts $n \
-      --shared $s --top-k $k --calib $CALIB --no-tune --overwrite --json $out.convert.json > $out.convert.log 2>&1
-    score $m $out "training-free, $label" $RESULTS/${NAME[$m]}-active$p-${u}x$width-trainingfree.json
+      --shared $s --top-k $k $fmt --calib $CALIB --no-tune --overwrite --json $out.convert.json > $out.convert.log 2>&1
+    score $m $out "training-free, $label" $RESULTS/${NAME[$m]}-active$p-${u%n}x$width$([ "$s" = 0 ] && echo -noshared)-trainingfree.json
   else
     t=out/gran-$m$p-$u-tune
     rm -rf $t $t.moeify-tune; cp -r $out $t
     /usr/bin/time -v .venv/bin/moeify tune ${SRC[$m]} $t --tokens 65536 --json $t.tune.json > $t.tune.log 2>&1
-    score $m $t "65,536 tokens, $label" $RESULTS/${NAME[$m]}-active$p-${u}x$width-65k.json
+    score $m $t "65,536 tokens, $label" $RESULTS/${NAME[$m]}-active$p-${u%n}x$width$([ "$s" = 0 ] && echo -noshared)-65k.json
   fi
 done
