@@ -245,10 +245,12 @@ def convert(
                                             "(`moeify eval SRC OUT --data EVAL`): a .txt/.jsonl file, or 'sample' "
                                             "for the bundled sample."),
 ) -> None:
-    """Split every FFN into experts and write a Mixtral / Qwen2-MoE checkpoint that stock transformers loads.
+    """Split every FFN into experts and write a Mixtral / Qwen2-MoE / Qwen3-MoE checkpoint that stock transformers loads.
 
-    Example: moeify convert Qwen/Qwen2.5-0.5B out/qwen-moe --preset active-50
-             moeify convert path/to/Llama-3-8B out/llama-moe --experts 8 --top-k 2 --no-tune
+    \b
+    Examples:
+      moeify convert Qwen/Qwen2.5-0.5B out/qwen-moe --preset active-50
+      moeify convert path/to/Llama-3-8B out/llama-moe --experts 8 --top-k 2 --no-tune
     """
     from .api import prepare_conversion, run_prepared
     from .report import print_plan, print_result
@@ -471,8 +473,10 @@ def plan_cmd(
     max-capacity (width d_ff), constant-compute (d_ff/k), inference-saving (d_ff/N, what convert carves) and
     custom-width regimes, with ratios to the dense model.
 
-    Example: moeify plan meta-llama/Llama-3.1-70B --preset active-25
-             moeify plan path/to/Llama-3-8B/config.json --experts 8 --top-k 2
+    \b
+    Examples:
+      moeify plan meta-llama/Llama-3.1-70B --preset active-25
+      moeify plan path/to/Llama-3-8B/config.json --experts 8 --top-k 2
     """
     from .api import plan
     from .report import print_moe_plan
