@@ -5,7 +5,7 @@ the exported Mixtral / Qwen2-MoE block computes (softmax router, top-k, the form
 that moeify folds into `down_proj`), in the dense neuron order. It is trained to match the dense teacher's
 next-token distributions (KL, no labels) on a stream of fresh tokens. Data in, tensors out; no checkpoint I/O.
 
-Why these choices (BENCHMARKS.md, "Recovery tuning", has the measurements):
+Why these choices (BENCHMARKS.md, "Quality against tuning tokens", has the measurements):
 - Whole-model KL, not layer-local reconstruction: a layer's own weights under fixed routing can remove only a few
   percent of its error, while the end-to-end objective lets every layer compensate the others.
 - Fresh tokens, not epochs over a few: the carve memorises its calibration tokens (KL 0.17 on them, 0.91 on fresh
@@ -58,7 +58,7 @@ class DistillSettings:
     train_attention: bool = False  # also each layer's attention projections and its two RMSNorm weights
     attention_lr: float = 0.001  # their Adam step relative to each tensor's RMS: a third of the experts' (at the
     # experts' step the attention fits the tuning mix and unseen genres get worse; 0.0003-0.002 gain 1-2% on every
-    # text: BENCHMARKS.md "Attention and norms with their own, smaller step")
+    # text: BENCHMARKS.md "Quality against tuning tokens")
     batch_tokens: int = 1024  # tokens a step (a CPU's; a GPU's are sized to its memory: moeify.tuning.sizing.step_size)
     micro_windows: int = 1  # windows per forward + backward (gradients accumulate over a step's micro-batches)
     lr_reference_tokens: int = 1024  # lr and temp_lr are the steps of a batch of this many tokens; a larger batch
@@ -80,7 +80,7 @@ class DistillSettings:
     kl_logits: str = "autocast"  # autocast | float32: the training KL's two logit products in the autocast dtype
     # where autocast is on (bf16: the logits rounded to it, as a bf16 dense step's cross-entropy reads them), or
     # always in float32. bf16 measured alike at equal tokens (SmolLM2, 50% preset, 65,536 tokens: within 0.16% on
-    # three texts) and 11-13% faster a step (BENCHMARKS "Session 29"); the held-out checks stay float32
+    # three texts) and 11-13% faster a step (BENCHMARKS.md "Tuning speed"); the held-out checks stay float32
     seed: int = 0
 
 
@@ -97,7 +97,7 @@ def _kl_and_diff_eager(lt: torch.Tensor, ls: torch.Tensor) -> tuple[torch.Tensor
 
 def _kl_and_diff_fused(lt: torch.Tensor, ls: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The same computation written for torch.compile, which fuses its dozen passes over the (n, V) logits into a
-    few (the elementwise part of the KL: a third of its cost before; BENCHMARKS "Session 29: the step as moeify runs it")."""
+    few (the elementwise part of the KL: a third of its cost before; BENCHMARKS.md "Tuning speed")."""
     t = F.log_softmax(lt, dim=-1)
     s = F.log_softmax(ls, dim=-1)
     pt = t.exp()
@@ -292,7 +292,7 @@ def lr_scale(settings: DistillSettings) -> float:
 
 def moe_kernel(kernel: str, device: torch.device) -> str:
     """The MoE block's kernel a run uses: "auto" is grouped on a GPU and masked on a CPU (measured there: torch's
-    CPU grouped GEMM loses to the masked dense products at the presets' layouts; BENCHMARKS.md "GPU", session 31),
+    CPU grouped GEMM loses to the masked dense products at the presets' layouts; BENCHMARKS.md "Tuning speed"),
     MOEIFY_MOE_KERNEL set to masked or grouped overriding it. Blocks where grouped does not apply compute masked."""
     from .moe_block import KERNELS
 

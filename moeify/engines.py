@@ -1,7 +1,8 @@
 """Which serving engines run a planned output layout, and which run it slowly: the guard rails of `convert`,
 `convert --dry-run` and `plan`.
 
-Each verdict is a fact measured or read off the engine's code (BENCHMARKS.md "Serving"; ../shared/FORMATS.md):
+Each verdict is a fact measured or read off the engine's code (BENCHMARKS.md "Serving correctness: transformers, vLLM,
+llama.cpp"; ../shared/FORMATS.md):
 - llama.cpp sizes a model's compute graph at max(1024, 8 x its tensor count) nodes (`graph_max_nodes`,
   src/llama-context.cpp) and its MoE block adds a view and an add node per used expert per layer, so a top-k above
   about 20 overflows it and aborts (`GGML_ASSERT(obj_new)`) whatever the model size: measured, top-24 and top-32

@@ -36,7 +36,8 @@ checked weights) gathers the trainable tensors and Adam's moments whole into the
 writes them, one tensor at a time, written as it comes (`save_host`: the largest one, on rank 0; a GPU or a run
 across processes; in one CPU process they are the tensors themselves).
 The prediction is the larger of the sampling and tuning phases. scripts/bench_memory.py holds it against the measured
-peak (RSS on CPU, torch.cuda.max_memory_allocated on a GPU); BENCHMARKS.md "Tuning memory" has the numbers.
+peak (RSS on CPU, torch.cuda.max_memory_allocated on a GPU); BENCHMARKS.md "Tuning speed" ("Tuning memory") has
+the numbers.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 float32, bfloat16 and float16 on the same held-out tokens, and how often the lower precision changes a routing
 choice.
 
-    python scripts/bench_dtypes.py models/smollm2-135m OUT1 OUT2 --json scripts/bench_dtypes_smollm2.json
+    python scripts/bench_dtypes.py models/smollm2-135m OUT1 OUT2 --json results/conversion/dtypes-smollm2.json
 
 Each model is loaded with AutoModelForCausalLM (the real output format), cast to the dtype and scored on the first
 --eval-tokens tokens of each text in non-overlapping windows of --seq-len (scripts/bench_quality.py's perplexity,

@@ -1,6 +1,6 @@
 """The GPU rows of BENCHMARKS.md in one command, inside a time budget (one call of the device tool: 10 minutes):
 
-    .venv/bin/python scripts/bench_gpu.py --json scripts/bench_gpu_results.json
+    .venv/bin/python scripts/bench_gpu.py --json results/gpu/bench-gpu.json
 
 Steps, most wanted first; a step that fails is recorded (its error in the JSON) and the next one runs; a step that
 would start past --budget-s is skipped, so a budgeted run always returns what it measured:

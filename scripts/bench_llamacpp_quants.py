@@ -1,7 +1,8 @@
 """Quality in the formats llama.cpp serves: perplexity of the dense model and of tuned MoE outputs as GGUF at
 f32, f16, Q8_0 and Q4_K_M, on the held-out texts, each MoE as a ratio to the dense model at the same quant.
 
-    .venv/bin/python scripts/bench_llamacpp_quants.py models/smollm2-135m OUT50 OUT25 --json scripts/llamacpp_quants.json
+    .venv/bin/python scripts/bench_llamacpp_quants.py models/smollm2-135m OUT50 OUT25 \\
+        --json results/serving/llamacpp-quants-smollm2.json
 
 Uses scripts/check_llamacpp.py's pieces (its work dir, default build/llamacpp): the llama.cpp tree vendored in the
 pinned llama-cpp-python sdist, its converter (`convert_hf_to_gguf.py --outtype f32 | f16 | q8_0`) and its

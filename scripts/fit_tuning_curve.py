@@ -1,6 +1,7 @@
 """Fit quality against tuning tokens and say how many tokens the quality targets need.
 
-    python scripts/fit_tuning_curve.py scripts/tuning_curve_points.json --plot scripts/tuning_curve_fit.png
+    python scripts/fit_tuning_curve.py results/quality/tuning-curve-points.json --layout resolved \\
+        --plot results/quality/tuning-curve-fit-smollm2.png
 
 Model (a principle, not a constant fitted to one text): the excess of the perplexity ratio over the dense model
 decays as a power of the tuning tokens, ratio - 1 = c * tokens^-b (the shape of loss against training tokens in
@@ -18,7 +19,7 @@ import math
 from pathlib import Path
 
 TARGETS = {"active-50": {"wikitext2": 1.25, "tinyshakespeare": 1.50, "GPL-3": 1.75},
-           "active-25": {"wikitext2": 1.60, "tinyshakespeare": 2.10, "GPL-3": 3.00}}  # issue 23's bars at 1M tokens
+           "active-25": {"wikitext2": 1.60, "tinyshakespeare": 2.10, "GPL-3": 3.00}}  # quality bars at 1M tokens
 
 
 def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -65,7 +66,8 @@ def main() -> None:
     ap.add_argument("points", type=Path)
     ap.add_argument("--machine", default=None, help="only the points of this machine")
     ap.add_argument("--layout", default="fixed", help="only the points of this preset layout: fixed (the presets' "
-                    "64 slices, before session 23) or resolved (per model: SmolLM2 48 slices of 32) [default: fixed]")
+                    "64 slices of d_ff, before per-model resolution) or resolved (per model: SmolLM2 48 slices of 32) "
+                    "[default: fixed]")
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args()
     pts = [p for p in json.loads(args.points.read_text())["points"] if args.machine in (None, p["machine"])

@@ -6,7 +6,8 @@ are context only), float32.
     .venv/bin/python scripts/llamacpp_protocol_hf.py DENSE MOE... --text CUT.txt [--ctx 256 --chunks 32] [--json F]
 
 Prints each model's perplexity and its ratio to the first (dense) model: the number to set beside
-scripts/bench_llamacpp_quants.py's llama.cpp ratios (BENCHMARKS.md "Scale").
+scripts/bench_llamacpp_quants.py's llama.cpp ratios (BENCHMARKS.md "Serving correctness: transformers, vLLM,
+llama.cpp").
 """
 
 from __future__ import annotations

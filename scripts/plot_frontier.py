@@ -1,6 +1,7 @@
 """Draw the quality frontier (perplexity ratio vs share of the FFN active) from bench_quality.py results.
 
-    python scripts/plot_frontier.py scripts/bench_quality_smollm2.json -o scripts/frontier_smollm2.png
+    python scripts/plot_frontier.py results/quality/smollm2-trainingfree-frontier.json \\
+        -o results/quality/smollm2-trainingfree-frontier.png
 
 One panel per evaluation text, one line per row kind (method / router / pipeline), log-scale ratio. Needs the
 `plot` (or `bench`) extra: matplotlib.

@@ -1,6 +1,6 @@
 """Plot the tokens -> quality curve of recovery tuning from scripts/bench_quality.py results run with --curve.
 
-    python scripts/plot_tuning_curve.py p50.json p25.json -o scripts/tuning_curve_smollm2.png
+    python scripts/plot_tuning_curve.py p50.json p25.json -o results/quality/smollm2-64slices-tuning-131k.png
 
 One panel per evaluation text: perplexity ratio to dense (log scale) against the tuning tokens seen so far, one line
 per row (preset). The first point of each line (0 tokens) is the training-free carve.

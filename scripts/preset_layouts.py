@@ -1,11 +1,12 @@
-"""The presets' layouts at the shapes people carve, as README's table: each row is `moeify plan --preset` of the
-model's published config (the same resolution `convert` does), not typed by hand.
+"""The presets' layouts at the shapes people carve, as the table of docs/converting.md ("Presets at your model's
+shape"): each row is `moeify plan --preset` of the model's published config (the same resolution `convert` does), not
+typed by hand.
 
-    python scripts/preset_layouts.py                  # print the markdown table
-    python scripts/preset_layouts.py --write README.md   # replace the table between its markers
-    python scripts/preset_layouts.py --check README.md   # exit 1 if README's table is not what plan says
+    python scripts/preset_layouts.py                                # print the markdown table
+    python scripts/preset_layouts.py --write [docs/converting.md]   # replace the table between its markers
+    python scripts/preset_layouts.py --check [docs/converting.md]   # exit 1 if the page's table is not what plan says
 
-tests/test_layout.py checks README.md against this script.
+tests/test_layout.py checks docs/converting.md against this script.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-BEGIN, END = "<!-- preset-layouts:begin (scripts/preset_layouts.py --write README.md) -->", "<!-- preset-layouts:end -->"
+PAGE = ROOT / "docs" / "converting.md"  # the page whose table this is
+BEGIN = "<!-- preset-layouts:begin (scripts/preset_layouts.py --write docs/converting.md) -->"
+END = "<!-- preset-layouts:end -->"
 PRESETS = ("active-50", "active-25")
 
 # Published config.json values that plan reads (hidden, d_ff, layers, heads, kv heads, vocab, tied embeddings).
@@ -126,26 +129,29 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def readme_table(readme: str) -> str:
-    if BEGIN not in readme or END not in readme:
-        raise SystemExit(f"README has no {BEGIN} ... {END} markers")
-    return readme.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n") + "\n"
+def page_table(page: str) -> str:
+    """The table between the markers of a page's text."""
+    if BEGIN not in page or END not in page:
+        raise SystemExit(f"the page has no {BEGIN} ... {END} markers")
+    return page.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n") + "\n"
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--write", type=Path, help="Replace the table between the markers in this file.")
-    ap.add_argument("--check", type=Path, help="Exit 1 when this file's table differs from plan's.")
+    ap.add_argument("--write", type=Path, nargs="?", const=PAGE,
+                    help="Replace the table between the markers in this file [default: docs/converting.md].")
+    ap.add_argument("--check", type=Path, nargs="?", const=PAGE,
+                    help="Exit 1 when this file's table differs from plan's [default: docs/converting.md].")
     args = ap.parse_args()
     table = markdown(plan_rows())
     if args.write:
         text = args.write.read_text()
-        readme_table(text)  # the markers are there
+        page_table(text)  # the markers are there
         head, rest = text.split(BEGIN, 1)
         args.write.write_text(head + BEGIN + "\n" + table + END + rest.split(END, 1)[1])
         print(f"wrote the table to {args.write}", file=sys.stderr)
     elif args.check:
-        if readme_table(args.check.read_text()) != table:
+        if page_table(args.check.read_text()) != table:
             print(f"{args.check}: the preset layout table differs from `moeify plan`; run "
                   f"python scripts/preset_layouts.py --write {args.check}", file=sys.stderr)
             return 1

@@ -12,7 +12,7 @@ llama.cpp's qwen3moe has no dense layers, so its converter or loader is expected
 
     .venv/bin/python scripts/bench_llamacpp_quants.py build/qwen3/dense build/qwen3/e4k4 build/qwen3/e4k2 \\
         build/qwen3/e4k4-dense1 --quants f32 --texts ../shared/corpora/wikitext2/valid.txt --chars 20000 --ctx 128 \\
-        --chunks 8 --gguf-dir build/qwen3/gguf --json scripts/check_llamacpp_qwen3_s32.json
+        --chunks 8 --gguf-dir build/qwen3/gguf --json results/serving/llamacpp-qwen3-tiny.json
 """
 
 from __future__ import annotations

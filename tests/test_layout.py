@@ -116,8 +116,8 @@ def test_convert_dry_run_and_plan_print_the_resolution(tmp_path, tokenizer_dir):
     assert not (tmp_path / "out").exists()
 
 
-def test_readme_layout_table_is_what_plan_says():
-    """README's table of the presets at common shapes is generated from `moeify plan --preset`
+def test_converting_page_layout_table_is_what_plan_says():
+    """docs/converting.md's table of the presets at common shapes is generated from `moeify plan --preset`
     (scripts/preset_layouts.py); a change to the presets or the resolution that is not regenerated fails here."""
     import importlib.util
 
@@ -127,7 +127,8 @@ def test_readme_layout_table_is_what_plan_says():
     spec.loader.exec_module(mod)
     rows = mod.plan_rows()
     table = mod.markdown(rows)
-    assert mod.readme_table((root / "README.md").read_text()) == table
+    assert mod.PAGE == root / "docs" / "converting.md"
+    assert mod.page_table(mod.PAGE.read_text()) == table
     eight_b = [r for r in rows if r["model"] == "Llama-3/3.1-8B"]
     assert {r["preset"]: (r["shared"], r["top_k"], r["experts"], r["width"]) for r in eight_b} == \
         {"active-50": (14, 14, 42, 256), "active-25": (7, 7, 49, 256)}
