@@ -9,7 +9,8 @@ MOEIFY_TEST_HOLD lists what to do, entries separated by ';', each RANK|PHASE|WHA
 - at a phase the hold is after this rank arrived (the others go on into the phase first: the races a late rank
   meets), or before it arrives with '|before' (the others wait for it).
 Each entry applies once, the first time its rank reaches its phase. MOEIFY_TEST_PIDS: a folder where each rank
-writes its pid to a file named by its rank.
+writes its pid to a file named by its rank. MOEIFY_TEST_REFUSE=RANK|MESSAGE: that rank alone refuses its inputs
+(moeify.tuning.run.check_run raises MoeifyError(MESSAGE)).
 """
 
 from __future__ import annotations
@@ -71,6 +72,15 @@ def main() -> None:
 
     parallel.Parallel.arrive = held_arrive
     distill.accumulate_kl = held_kl
+    refuse = os.environ.get("MOEIFY_TEST_REFUSE", "")  # RANK|MESSAGE: that rank alone refuses its inputs
+    if refuse.split("|")[0] == rank:
+        import moeify.tuning.run as run_module
+        from moeify.errors import MoeifyError
+
+        def refusing_check(*args, **kwargs):
+            raise MoeifyError(refuse.split("|", 1)[1], "the test's refusal")
+
+        run_module.check_run = refusing_check
     sys.argv = ["moeify", *sys.argv[1:]]
     cli_main()
 

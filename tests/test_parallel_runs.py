@@ -173,6 +173,20 @@ def test_kill_9_of_one_rank_then_resume_equals_the_uninterrupted_run(runs, tmp_p
     _assert_same_weights(ref, out)
 
 
+def test_one_ranks_refusal_is_every_ranks_and_rank_0_says_it(runs, tmp_path):
+    """Rank 1 alone refuses its inputs (say its copy of a file is unreadable): no rank waits for it; every rank
+    stops at once with exit 2 and rank 0 prints rank 1's one line; nothing is written."""
+    dense, carve, _ = runs
+    out = _copy(carve, tmp_path / "out")
+    started = time.monotonic()
+    res = _torchrun(["tune", str(dense), str(out), *FLAGS, "--timeout", "300"],
+                    MOEIFY_TEST_REFUSE="1|rank 1 cannot read its tuning text")
+    assert res.returncode != 0 and time.monotonic() - started < 120
+    errors = _lines(res.stdout + res.stderr, "error:")
+    assert errors == ["error: rank 1 cannot read its tuning text — the test's refusal"], (res.stdout + res.stderr)[-3000:]
+    assert not Path(str(out) + ".moeify-tune").exists()
+
+
 def test_the_collective_timeout_comes_from_the_flag_the_environment_or_the_default(monkeypatch):
     monkeypatch.delenv("MOEIFY_TIMEOUT", raising=False)
     assert collective_timeout() == DEFAULT_TIMEOUT == 600
