@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .config import DEFAULT_PRESET, build_config
+from .config import DEFAULT_PRESET, ConvertConfig, build_config
 from .errors import MoeifyError
 from .hub import resolve
 
@@ -52,7 +52,7 @@ def prepare_conversion(src: str | Path, *, preset: str | Path | None = None, tun
     from .conversion import plan_conversion
 
     notes: list[str] = []
-    unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(_config_type())} - {"max_shard_size"})
+    unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(ConvertConfig)} - {"max_shard_size"})
     if unknown:
         raise MoeifyError(f"convert() got unknown setting(s): {', '.join(unknown)}",
                           "the settings are ConvertConfig's fields (moeify.config), as `moeify convert --help` names them")
@@ -72,12 +72,6 @@ def prepare_conversion(src: str | Path, *, preset: str | Path | None = None, tun
                        serve=serve, calib=None if calib is None else tuple(str(c) for c in calib), **settings)
     plan = plan_conversion(source, cfg, allow_pickle=allow_pickle, allow_nonfinite=allow_nonfinite, force=force)
     return plan, notes
-
-
-def _config_type():
-    from .config import ConvertConfig
-
-    return ConvertConfig
 
 
 def run_prepared(plan, out: str | Path, notes: list[str] | None = None, *, overwrite: bool = False,
