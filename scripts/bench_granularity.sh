@@ -53,6 +53,7 @@ for step in "$@"; do
   if [ -z "$tune" ]; then
     fmt=""
     [ "$s" = 0 ] && [ $m = s ] && fmt="--format mixtral"
+    [ "$s" = 0 ] && [ $m = q ] && fmt="--force"  # llama.cpp's qwen2moe wants a shared expert: a measurement only
     /usr/bin/time -v .venv/bin/moeify convert ${SRC[$m]} $out --preset configs/active-$p.toml --experts $n \
       --shared $s --top-k $k $fmt --calib $CALIB --no-tune --overwrite --json $out.convert.json > $out.convert.log 2>&1
     score $m $out "training-free, $label" $RESULTS/${NAME[$m]}-active$p-${u%n}x$width$([ "$s" = 0 ] && echo -noshared)-trainingfree.json
