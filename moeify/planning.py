@@ -228,8 +228,20 @@ def serve_alternatives(values: dict, src: SourceModel, given: dict | None = None
         r = resolve_preset(dict(values), src.d_ff, src.qk_norm, given=given, serve=fmt)
         rows.append({"serve": fmt, "experts": r["experts"], "shared": r["shared"], "top_k": r["top_k"],
                      "width": src.d_ff // (r["experts"] + r["shared"]),
-                     "active": (r["top_k"] + r["shared"]) / (r["experts"] + r["shared"])})
+                     "active": (r["top_k"] + r["shared"]) / (r["experts"] + r["shared"]),
+                     "preset_active": values["layout"].active})
     return rows
+
+
+def measured_tradeoff(preset_active: float) -> list[dict]:
+    """What the --serve layouts finer than the K-quant one were measured to cost or gain on real models, for a preset
+    of this active share: moeify/data/granularity.json (scripts/granularity_table.py writes it from
+    results/granularity/; BENCHMARKS.md "Granularity and shared experts"). [] for shares not measured."""
+    import json
+    from importlib import resources
+
+    rows = json.loads(resources.files("moeify.data").joinpath("granularity.json").read_text())["rows"]
+    return [r for r in rows if abs(r["preset"] / 100 - preset_active) < 1e-9]
 
 
 def plan_from_path(path: str | Path, **kwargs) -> MoePlan:

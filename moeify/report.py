@@ -10,7 +10,7 @@ from rich.table import Table
 
 from .config import CALIB_TOKENS_CAP
 from .budget import padded_width
-from .planning import SERVING_RULES, serving_advice, serving_fit
+from .planning import SERVING_RULES, measured_tradeoff, serving_advice, serving_fit
 
 
 def human_bytes(n: float) -> str:
@@ -270,6 +270,25 @@ def print_alternatives(console: Console, alternatives: list[dict]) -> None:
              SERVE_QUANTA[a["serve"]][1]] for a in alternatives]
     console.print(_table("the preset's layout by serving format (--serve)",
                          ["--serve", "slices\n× width", "shared +\nrouted", "active", "for"], rows))
+    print_measured_tradeoff(console, measured_tradeoff(alternatives[0]["preset_active"]) if alternatives else [])
+
+
+def print_measured_tradeoff(console: Console, measured: list[dict]) -> None:
+    """The finer --serve layouts against the K-quant one, as measured on real models (quality and decode speed)."""
+    if not measured:
+        return
+    pct = (lambda r: "–" if r is None else f"{r[0] * 100:+.0f}…{r[1] * 100:+.0f}%")
+    rows = [[f"{m['model']}\nd_ff {m['d_ff']:,}", "\n".join(m["serve"]),
+             f"{m['slices']} × {m['width']}\nvs {m['base']['slices']} × {m['base']['width']}",
+             pct(m["trainingfree"]), pct(m["tuned"]),
+             "–" if m["decode"]["llama.cpp"] is None else f"{m['decode']['llama.cpp']:.2f} {m['decode']['llama.cpp type']}",
+             _fmt(m["decode"]["transformers"])] for m in measured]
+    console.print(_table("measured on real models: the finer layouts against the K-quant one",
+                         ["model", "--serve", "layout", "quality\nuntuned", "quality\ntuned", "decode\nllama.cpp",
+                          "decode\ntransf."], rows, left=(0, 1)))
+    console.print("quality: the change in perplexity ratio − 1 on four held-out texts, least…most (negative: nearer "
+                  "dense); decode: tokens/s × the K-quant layout's, 1 CPU thread; BENCHMARKS.md \"Granularity and "
+                  "shared experts\"", style="dim")
 
 
 def print_moe_plan(console: Console, plan) -> None:
@@ -337,7 +356,8 @@ def _table(title: str, columns: list[str], rows: list[list[str]], left: tuple[in
     t = Table(title=title or None, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD, pad_edge=False,
               show_edge=False, padding=(0, 1, 0, 0))  # one space between columns: 8 columns fit 80 characters
     for c, name in enumerate(columns):
-        t.add_column(name, justify="left" if c in left else "right", min_width=max(len(r[c]) for r in rows))
+        t.add_column(name, justify="left" if c in left else "right",
+                     min_width=max(len(line) for r in rows for line in r[c].split("\n")))
     for r in rows:
         t.add_row(*r)
     return t

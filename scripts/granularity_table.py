@@ -4,12 +4,23 @@ each layout's perplexity ratio to dense per text, and how much nearer dense (rat
 shipped layout at the same budget (negative: nearer).
 
     .venv/bin/python scripts/granularity_table.py            # prints the markdown table
+    .venv/bin/python scripts/granularity_table.py --tradeoff # the --serve trade-off table (markdown)
+    .venv/bin/python scripts/granularity_table.py --write    # writes moeify/data/granularity.json
+    .venv/bin/python scripts/granularity_table.py --check    # fails if that file is not what the results give
+
+The trade-off: for each measured model and preset, every --serve format whose layout differs from the K-quant one
+(the default), that layout's quality (the range over the texts of the change in ratio - 1 against the K-quant
+layout, training-free and after 65,536 tuning tokens, where both were measured) and decode speed (tokens/s against
+the K-quant layout: llama.cpp in the format's own GGUF type, and transformers; results/granularity/decode-*.json).
+`moeify plan` and `convert --dry-run` print it under their --serve table from moeify/data/granularity.json, which
+tests/test_docs.py keeps equal to what this script computes from the result files.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,5 +82,106 @@ def markdown(rs: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# the models measured: d_ff, and the llama.cpp GGUF type each --serve format is served in (bf16: llama.cpp's f16)
+MODELS = {"qwen05": ("Qwen2.5-Coder-0.5B", 4864), "smollm2": ("SmolLM2-135M", 1536),
+          "l1b": ("1.1B Llama shape", 8192)}
+GGUF = {"k-quants": "q8_0", "fp8": "q8_0", "q8_0": "q8_0", "bf16": "f16"}
+GGUF_NAME = {"q8_0": "Q8_0", "f16": "F16"}
+PACKAGED = ROOT / "moeify" / "data" / "granularity.json"
+
+
+def resolved(d_ff: int, preset: int) -> dict[str, tuple[int, int, int]]:
+    """--serve format -> (routed, shared, top_k) the preset resolves to at this d_ff (moeify's own resolution)."""
+    sys.path.insert(0, str(ROOT))
+    from moeify.config import load_preset, resolve_preset
+    from moeify.layout import SERVE_QUANTA
+
+    out = {}
+    for fmt in SERVE_QUANTA:
+        r = resolve_preset(load_preset(ROOT / "configs" / f"active-{preset}.toml"), d_ff, serve=fmt)
+        out[fmt] = (r["experts"], r["shared"], r["top_k"])
+    return out
+
+
+def decode_ratio(model: str, engine: str, layout: str, base: str) -> float | None:
+    path = ROOT / "results" / "granularity" / f"decode-{model}-{engine}.json"
+    if not path.is_file():
+        return None
+    rows = json.loads(path.read_text())["rows"]
+    key = "transformers" if engine == "transformers" else "llama.cpp"
+    try:
+        a, b = rows[layout][key], rows[base][key]
+    except KeyError:
+        return None
+    if a.get("status", "ok") != "ok" or b.get("status", "ok") != "ok":
+        return None
+    return round(a["decode_tok_s"] / b["decode_tok_s"], 3)
+
+
+def tradeoff() -> list[dict]:
+    """One row per (model, preset, layout other than the K-quant one): the --serve formats that give it, its quality
+    against the K-quant layout (min, max of the change in ratio - 1 over the texts; None where not measured) and its
+    decode speed against it."""
+    quality = rows()
+    out = []
+    for model, (name, d_ff) in MODELS.items():
+        for preset in (25, 50):
+            res = resolved(d_ff, preset)
+            base = res["k-quants"]
+            for lay in dict.fromkeys(v for v in res.values() if v != base):
+                n, sh, k = lay
+                slices, width = n + sh, d_ff // (n + sh)
+                row = {"model": name, "d_ff": d_ff, "preset": preset,
+                       "serve": [f for f, v in res.items() if v == lay], "slices": slices, "width": width,
+                       "top_k": k, "shared": sh, "base": {"slices": sum(base[:2]), "width": d_ff // sum(base[:2]),
+                                                           "top_k": base[2], "shared": base[1]}}
+                for tokens, key in ((0, "trainingfree"), (65536, "tuned")):
+                    mine = next((r for r in quality if r["model"] == model and r["preset"] == preset
+                                 and r["tokens"] == tokens and r["layout"].startswith(f"{slices} × {width} ")
+                                 and "no shared" not in r["layout"]), None)
+                    ship = next((r for r in quality if r["model"] == model and r["preset"] == preset
+                                 and r["tokens"] == tokens and "shipped" in r["layout"]), None)
+                    row[key] = None if mine is None or ship is None else [
+                        round(f((mine["ratio"][t] - ship["ratio"][t]) / (ship["ratio"][t] - 1) for t in TEXTS), 3)
+                        for f in (min, max)]
+                name_of = (lambda t: (f"s{t[1]}" if t[1] else "") + f"e{t[0]}k{t[2]}")
+                fmt = row["serve"][0]
+                row["decode"] = {"llama.cpp": decode_ratio(model, f"llamacpp-{GGUF[fmt]}", name_of(lay), name_of(base)),
+                                 "llama.cpp type": GGUF_NAME[GGUF[fmt]],
+                                 "transformers": decode_ratio(model, "transformers", name_of(lay), name_of(base))}
+                out.append(row)
+    return out
+
+
+def tradeoff_markdown(rs: list[dict]) -> str:
+    pct = (lambda r: "–" if r is None else f"{r[0]:+.0%} … {r[1]:+.0%}")
+    lines = ["| model (d_ff) | preset | --serve | layout | against | quality: training-free | tuned 65k | "
+             "decode llama.cpp | decode transformers |", "|---|---|---|---|---|---|---|---:|---:|"]
+    for r in rs:
+        d = r["decode"]
+        b = r["base"]
+        lines.append(f"| {r['model']} ({r['d_ff']:,}) | {r['preset']}% | {', '.join(r['serve'])} | "
+                     f"{r['slices']} × {r['width']}, top-{r['top_k']} | {b['slices']} × {b['width']}, top-{b['top_k']} | "
+                     f"{pct(r['trainingfree'])} | {pct(r['tuned'])} | "
+                     + ("–" if d["llama.cpp"] is None else f"× {d['llama.cpp']:.2f} ({d['llama.cpp type']})")
+                     + " | " + ("–" if d["transformers"] is None else f"× {d['transformers']:.2f}") + " |")
+    return "\n".join(lines) + "\n"
+
+
+def packaged() -> str:
+    return json.dumps({"about": "moeify's --serve resolutions measured against the K-quant one (BENCHMARKS.md "
+                                "\"Granularity and shared experts\"); written by scripts/granularity_table.py --write",
+                       "rows": tradeoff()}, indent=1) + "\n"
+
+
 if __name__ == "__main__":
-    print(markdown(rows()), end="")
+    if "--check" in sys.argv:
+        if not PACKAGED.is_file() or PACKAGED.read_text() != packaged():
+            sys.exit(f"{PACKAGED.relative_to(ROOT)} is not what results/ give: run scripts/granularity_table.py --write")
+    elif "--write" in sys.argv:
+        PACKAGED.write_text(packaged())
+        print(f"wrote {PACKAGED.relative_to(ROOT)}")
+    elif "--tradeoff" in sys.argv:
+        print(tradeoff_markdown(tradeoff()), end="")
+    else:
+        print(markdown(rows()), end="")

@@ -79,6 +79,14 @@ def test_the_cli_reference_is_the_clis_own_help():
     assert res.returncode == 0, res.stderr
 
 
+def test_the_packaged_granularity_measurements_are_the_result_files():
+    """moeify/data/granularity.json (what `plan` prints under its --serve table) is what scripts/granularity_table.py
+    computes from results/granularity/ and results/quality/ now."""
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "granularity_table.py"), "--check"],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+
+
 def test_the_anchor_rule_is_githubs():
     page = ROOT / "docs" / "cli.md"
     assert "moeify-convert" in anchors(page) and "command-line-reference" in anchors(page)

@@ -167,6 +167,15 @@ def test_serve_resolves_the_preset_for_the_widths_a_serving_format_takes(tmp_pat
     said = " ".join(res.output.split())
     assert "the preset's layout by serving format (--serve)" in said and "76 × 64 10 + top-9 of 66 25.0%" in said
     assert "d_ff 4,864 = 64 × 76" in said
+    from moeify.planning import measured_tradeoff  # what the finer layouts measured, under the --serve table
+
+    measured = measured_tradeoff(0.25)
+    assert {m["model"] for m in measured} >= {"Qwen2.5-Coder-0.5B", "SmolLM2-135M"} and measured_tradeoff(0.4) == []
+    assert "measured on real models: the finer layouts against the K-quant one" in said
+    q8 = next(m for m in measured if m["model"] == "Qwen2.5-Coder-0.5B" and m["serve"] == ["q8_0"])
+    assert (q8["slices"], q8["width"], q8["base"]["slices"], q8["base"]["width"]) == (76, 64, 38, 128)
+    assert f"76 × 64 {q8['trainingfree'][0] * 100:+.0f}…{q8['trainingfree'][1] * 100:+.0f}%" in said
+    assert f"{q8['decode']['llama.cpp']:.2f} Q8_0" in said
     res = CliRunner().invoke(app, ["plan", str(src), "--preset", "active-25", "--serve", "q4"])
     assert res.exit_code == 2 and "--serve 'q4' is not a serving format moeify knows — one of: k-quants, fp8, q8_0, " \
         "bf16" in " ".join(res.stderr.split())
