@@ -31,6 +31,8 @@ def test_the_wheel_installs_converts_by_preset_name_and_its_output_loads_with_a_
         str(venv))  # the installed package, not this checkout
     run([venv / "bin" / "moeify", "convert", "tiny", "out", "--preset", "active-50", "--no-tune",
          "--calib-tokens", "1024"], work)
+    plan = " ".join(run([venv / "bin" / "moeify", "plan", "tiny", "--preset", "active-25"], work).split())
+    assert "measured on real models" in plan and "SmolLM2-135M" in plan  # moeify/data/granularity.json, packaged
     check = run([py, "-c", """
 import json, moeify
 from huggingface_hub import ModelCard
