@@ -242,3 +242,16 @@ def test_the_card_follows_the_output_through_tuning_and_evaluation(dense, tmp_pa
     card = ModelCard.load(out / "README.md").text
     assert "| dense | " in card and "| moe | " in card and "Perplexity by `moeify eval` on 512 tokens" in card
     assert json.loads((out / "evaluation.json").read_text())["models"][0]["ratio"] == 1.0
+
+
+def test_the_resume_hint_names_a_hub_source_by_its_id_at_the_commit_tuned(hub, dense, tmp_path):
+    """An interrupted tuning of a Hub source says how to continue it with the id (pinned to the commit the run began
+    from, so the same weights), not with the cache's snapshot folder; the id resolves to that folder."""
+    from moeify.hub import resolve
+    from moeify.tuning.state import resume_command
+
+    snapshot = resolve("org/tiny")
+    assert "snapshots" in str(snapshot)
+    assert resume_command(snapshot, tmp_path / "out") == f"moeify tune org/tiny@{COMMIT} {tmp_path / 'out'} --resume"
+    assert resolve(f"org/tiny@{COMMIT}") == snapshot
+    assert resume_command(dense, tmp_path / "out") == f"moeify tune {dense} {tmp_path / 'out'} --resume"

@@ -278,7 +278,12 @@ def describe_state(root: Path) -> str:
 
 
 def resume_command(src: Path, out: Path) -> str:
-    return f"moeify tune {src} {out} --resume"
+    """The command that continues this run: a source from the Hub cache by its id at the commit the run began from
+    (what the user typed, and the same weights), not by the cache's snapshot folder."""
+    from ..hub import hub_origin
+
+    origin = hub_origin(src)
+    return f"moeify tune {f'{origin[0]}@{origin[1]}' if origin else src} {out} --resume"
 
 
 def refuse_leftover_state(out: Path, src: Path, overwrite: bool) -> None:
