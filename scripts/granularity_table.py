@@ -6,7 +6,8 @@ shipped layout at the same budget (negative: nearer).
     .venv/bin/python scripts/granularity_table.py            # prints the markdown table
     .venv/bin/python scripts/granularity_table.py --tradeoff # the --serve trade-off table (markdown)
     .venv/bin/python scripts/granularity_table.py --write    # writes moeify/data/granularity.json
-    .venv/bin/python scripts/granularity_table.py --check    # fails if that file is not what the results give
+    .venv/bin/python scripts/granularity_table.py --check    # fails if that file or BENCHMARKS.md's two tables
+                                                             # are not what the result files give
 
 The trade-off: for each measured model and preset, every --serve format whose layout differs from the K-quant one
 (the default), that layout's quality (the range over the texts of the change in ratio - 1 against the K-quant
@@ -142,7 +143,7 @@ def tradeoff() -> list[dict]:
                     ship = next((r for r in quality if r["model"] == model and r["preset"] == preset
                                  and r["tokens"] == tokens and "shipped" in r["layout"]), None)
                     row[key] = None if mine is None or ship is None else [
-                        round(f((mine["ratio"][t] - ship["ratio"][t]) / (ship["ratio"][t] - 1) for t in TEXTS), 3)
+                        round(f((mine["ratio"][t] - ship["ratio"][t]) / (ship["ratio"][t] - 1) for t in TEXTS), 4)
                         for f in (min, max)]
                 name_of = (lambda t: (f"s{t[1]}" if t[1] else "") + f"e{t[0]}k{t[2]}")
                 fmt = row["serve"][0]
@@ -178,6 +179,10 @@ if __name__ == "__main__":
     if "--check" in sys.argv:
         if not PACKAGED.is_file() or PACKAGED.read_text() != packaged():
             sys.exit(f"{PACKAGED.relative_to(ROOT)} is not what results/ give: run scripts/granularity_table.py --write")
+        page = (ROOT / "BENCHMARKS.md").read_text()
+        for what, table in (("table", markdown(rows())), ("--tradeoff table", tradeoff_markdown(tradeoff()))):
+            if table not in page:
+                sys.exit(f"BENCHMARKS.md does not hold this script's {what} as the result files give it now")
     elif "--write" in sys.argv:
         PACKAGED.write_text(packaged())
         print(f"wrote {PACKAGED.relative_to(ROOT)}")

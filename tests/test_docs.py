@@ -80,8 +80,8 @@ def test_the_cli_reference_is_the_clis_own_help():
 
 
 def test_the_packaged_granularity_measurements_are_the_result_files():
-    """moeify/data/granularity.json (what `plan` prints under its --serve table) is what scripts/granularity_table.py
-    computes from results/granularity/ and results/quality/ now."""
+    """moeify/data/granularity.json (what `plan` prints under its --serve table) and BENCHMARKS.md's granularity and
+    trade-off tables are what scripts/granularity_table.py computes from results/granularity/ and results/quality/."""
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "granularity_table.py"), "--check"],
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
