@@ -115,3 +115,26 @@ def test_bench_gpu_speed_rows_and_curve_points_run_on_cpu(tmp_path, tokenizer_di
     fit = next(iter(out["curve_fit"].values()))
     assert fit["r_inf"] >= 1.0 and 0 < fit["b"] <= 2 and set(fit["at"]) == {str(16 << 20), str(64 << 20),
                                                                               str(256 << 20)}
+
+
+def test_bench_gpu_decode_times_every_backend_and_stops_at_its_budget(tmp_path):
+    """scripts/bench_gpu_decode.py on the CPU at a tiny size: dense under both caches and
+    each preset's carve under each experts backend, at batch 1 and 2, every row a speed; a spent budget skips the
+    rest and still writes the JSON."""
+    out = tmp_path / "decode.json"
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu_decode.py"), "--device", "cpu", "--quick",
+                          "--shapes", "llama3.2-1b", "--batches", "1,2", "--work", str(tmp_path / "work"),
+                          "--json", str(out)], capture_output=True, text=True,
+                         env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-2000:]
+    got = json.loads(out.read_text())
+    assert got["errors"] == {} and got["skipped"] == []
+    want = {f"llama3.2-1b | dense | {c} | batch {b}" for c in ("dynamic", "static+compile") for b in (1, 2)} | {
+        f"llama3.2-1b | {p} | {c} | batch {b}" for p in ("active-50", "active-25")
+        for c in ("eager", "grouped_mm", "batched_mm", "batched_mm static+compile") for b in (1, 2)}
+    assert set(got["rows"]) == want and all(v > 0 for v in got["rows"].values())
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu_decode.py"), "--device", "cpu", "--quick",
+                          "--shapes", "llama3.2-1b,tiny", "--budget-s", "0", "--work", str(tmp_path / "work"),
+                          "--json", str(out)], capture_output=True, text=True,
+                         env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert res.returncode == 0 and json.loads(out.read_text())["skipped"] == ["llama3.2-1b", "tiny"]
