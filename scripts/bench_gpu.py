@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -92,30 +91,11 @@ def script(budget: Budget, name: str, *args: str) -> None:
 
 def decode_speed(path: Path, device: str, dtype: torch.dtype, prompt: int, new: int, rounds: int,
                  experts: str | None = None) -> float:
-    """Greedy decode tokens/s (generate(new + 1) minus generate(1), per new token), median of rounds."""
-    from transformers import AutoModelForCausalLM
+    """Greedy decode tokens/s at batch 1 (scripts/bench_gpu_decode.py's timing), median of rounds."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_gpu_decode import speed
 
-    kw = {"experts_implementation": experts} if experts else {}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw).to(device).eval()
-    ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0)).to(device)
-
-    def run(n: int) -> float:
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, pad_token_id=0)
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
-    run(2)  # warm-up
-    speeds = [new / (run(new + 1) - run(1)) for _ in range(rounds)]
-    del model
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    return statistics.median(speeds)
+    return speed(path, experts or "default", device, dtype, 1, prompt, new, rounds)
 
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}  # dense, no sparsity
