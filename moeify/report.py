@@ -281,7 +281,8 @@ def print_measured_tradeoff(console: Console, measured: list[dict]) -> None:
     rows = [[f"{m['model']}\nd_ff {m['d_ff']:,}", "\n".join(m["serve"]),
              f"{m['slices']} × {m['width']}\nvs {m['base']['slices']} × {m['base']['width']}",
              pct(m["trainingfree"]), pct(m["tuned"]),
-             "–" if m["decode"]["llama.cpp"] is None else f"{m['decode']['llama.cpp']:.2f} {m['decode']['llama.cpp type']}",
+             _fmt(m["decode"]["llama.cpp"]) + ("" if m["decode"]["llama.cpp"] is None
+                                              else f" {m['decode']['llama.cpp type']}"),
              _fmt(m["decode"]["transformers"])] for m in measured]
     console.print(_table("measured on real models: the finer layouts against the K-quant one",
                          ["model", "--serve", "layout", "quality\nuntuned", "quality\ntuned", "decode\nllama.cpp",

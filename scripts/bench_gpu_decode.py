@@ -144,8 +144,8 @@ def main(argv=None) -> None:
                     try:
                         tok_s = speed(path, config, args.device, dtype, batch, args.prompt, args.new, args.rounds)
                         out["rows"][key] = tok_s
-                        base = out["rows"].get(f"{shape} | dense | {'static+compile' if 'static' in config else 'dynamic'}"
-                                               f" | batch {batch}")
+                        cache = "static+compile" if "static" in config else "dynamic"
+                        base = out["rows"].get(f"{shape} | dense | {cache} | batch {batch}")
                         print(f"{key}: {tok_s:.1f} tok/s" + (f" ({tok_s / base:.2f}x dense)" if base else ""),
                               flush=True)
                     except Exception as e:  # noqa: BLE001 - a backend this transformers or device lacks

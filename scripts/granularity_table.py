@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # moeify from this checkout: the presets' own resolution
 TEXTS = ("wikitext2", "tinyshakespeare", "GPL-3", "argparse.py")
 # the shipped layouts' rows: (model, preset, tokens) -> (result file, the checkpoint in it)
 SHIPPED = {("qwen05", 25, 0): ("quality/qwen05-trainingfree.json", "out/scale-q25"),
@@ -69,6 +70,11 @@ def rows() -> list[dict]:
     return sorted(out, key=lambda r: (r["model"], -r["preset"], r["tokens"], "shipped" not in r["layout"]))
 
 
+def nearer(mine: dict, ship: dict, text: str) -> float:
+    """How much further from dense than the shipped layout (negative: nearer), in ratio - 1, on one text."""
+    return (mine["ratio"][text] - ship["ratio"][text]) / (ship["ratio"][text] - 1)
+
+
 def markdown(rs: list[dict]) -> str:
     lines = ["| model | preset | tokens | layout | WikiText-2 | Shakespeare | GPL-3 | code | vs shipped (ratio − 1) | "
              "result |", "|---|---|---:|---|---:|---:|---:|---:|---|---|"]
@@ -76,7 +82,7 @@ def markdown(rs: list[dict]) -> str:
         base = next((b for b in rs if b["model"] == r["model"] and b["preset"] == r["preset"]
                      and b["tokens"] == r["tokens"] and "shipped" in b["layout"]), None)
         delta = "—" if base is None or base is r else " / ".join(
-            f"{(r['ratio'][t] - base['ratio'][t]) / (base['ratio'][t] - 1):+.0%}" for t in TEXTS)
+            f"{nearer(r, base, t):+.0%}" for t in TEXTS)
         lines.append(f"| {NAMES[r['model']]} | {r['preset']}% | {r['tokens']:,} | {r['layout']} | "
                      + " | ".join(f"× {r['ratio'][t]:.3f}" for t in TEXTS)
                      + f" | {delta} | [{Path(r['file']).name}]({r['file']}) |")
@@ -93,7 +99,6 @@ PACKAGED = ROOT / "moeify" / "data" / "granularity.json"
 
 def resolved(d_ff: int, preset: int) -> dict[str, tuple[int, int, int]]:
     """--serve format -> (routed, shared, top_k) the preset resolves to at this d_ff (moeify's own resolution)."""
-    sys.path.insert(0, str(ROOT))
     from moeify.config import load_preset, resolve_preset
     from moeify.layout import SERVE_QUANTA
 
@@ -102,6 +107,12 @@ def resolved(d_ff: int, preset: int) -> dict[str, tuple[int, int, int]]:
         r = resolve_preset(load_preset(ROOT / "configs" / f"active-{preset}.toml"), d_ff, serve=fmt)
         out[fmt] = (r["experts"], r["shared"], r["top_k"])
     return out
+
+
+def serve_name(layout: tuple[int, int, int]) -> str:
+    """(routed, shared, top_k) -> the layout's name in scripts/bench_serve.py's rows, e.g. s10e66k9."""
+    n, sh, k = layout
+    return (f"s{sh}" if sh else "") + f"e{n}k{k}"
 
 
 def decode_ratio(model: str, engine: str, layout: str, base: str) -> float | None:
@@ -143,13 +154,13 @@ def tradeoff() -> list[dict]:
                     ship = next((r for r in quality if r["model"] == model and r["preset"] == preset
                                  and r["tokens"] == tokens and "shipped" in r["layout"]), None)
                     row[key] = None if mine is None or ship is None else [
-                        round(f((mine["ratio"][t] - ship["ratio"][t]) / (ship["ratio"][t] - 1) for t in TEXTS), 4)
+                        round(f(nearer(mine, ship, t) for t in TEXTS), 4)
                         for f in (min, max)]
-                name_of = (lambda t: (f"s{t[1]}" if t[1] else "") + f"e{t[0]}k{t[2]}")
-                fmt = row["serve"][0]
-                row["decode"] = {"llama.cpp": decode_ratio(model, f"llamacpp-{GGUF[fmt]}", name_of(lay), name_of(base)),
-                                 "llama.cpp type": GGUF_NAME[GGUF[fmt]],
-                                 "transformers": decode_ratio(model, "transformers", name_of(lay), name_of(base))}
+                gguf = GGUF[row["serve"][0]]
+                mine_name, base_name = serve_name(lay), serve_name(base)
+                row["decode"] = {"llama.cpp": decode_ratio(model, f"llamacpp-{gguf}", mine_name, base_name),
+                                 "llama.cpp type": GGUF_NAME[gguf],
+                                 "transformers": decode_ratio(model, "transformers", mine_name, base_name)}
                 out.append(row)
     return out
 
@@ -162,7 +173,8 @@ def tradeoff_markdown(rs: list[dict]) -> str:
         d = r["decode"]
         b = r["base"]
         lines.append(f"| {r['model']} ({r['d_ff']:,}) | {r['preset']}% | {', '.join(r['serve'])} | "
-                     f"{r['slices']} × {r['width']}, top-{r['top_k']} | {b['slices']} × {b['width']}, top-{b['top_k']} | "
+                     f"{r['slices']} × {r['width']}, top-{r['top_k']} | "
+                     f"{b['slices']} × {b['width']}, top-{b['top_k']} | "
                      f"{pct(r['trainingfree'])} | {pct(r['tuned'])} | "
                      + ("–" if d["llama.cpp"] is None else f"× {d['llama.cpp']:.2f} ({d['llama.cpp type']})")
                      + " | " + ("–" if d["transformers"] is None else f"× {d['transformers']:.2f}") + " |")
@@ -178,7 +190,8 @@ def packaged() -> str:
 if __name__ == "__main__":
     if "--check" in sys.argv:
         if not PACKAGED.is_file() or PACKAGED.read_text() != packaged():
-            sys.exit(f"{PACKAGED.relative_to(ROOT)} is not what results/ give: run scripts/granularity_table.py --write")
+            sys.exit(f"{PACKAGED.relative_to(ROOT)} is not what results/ give: "
+                     "run scripts/granularity_table.py --write")
         page = (ROOT / "BENCHMARKS.md").read_text()
         for what, table in (("table", markdown(rows())), ("--tradeoff table", tradeoff_markdown(tradeoff()))):
             if table not in page:
