@@ -187,5 +187,59 @@ def serve_layouts(src: str | Path, *, preset: str | Path | None = None, **counts
     return serve_alternatives(values, read_source_config(resolve(src, config_only=True)), given)
 
 
+def prepare_upcycle(src: str | Path, *, allow_pickle: bool = False, force: bool = False, max_shard_size=None,
+                    **settings):
+    """The upcycle's plan (moeify.upcycle.UpcyclePlan: layout, parameters, engine notes) before anything is written
+    (`moeify upcycle --dry-run` prints it). settings: UpcycleSettings' fields (copies, granularity, top_k,
+    shared_width, format, symmetry, drop_share, noise_scale, router_std, dtype, seed, targets)."""
+    from .config import parse_size
+    from .upcycling import UpcycleSettings, plan_upcycle
+
+    known = {f.name for f in dataclasses.fields(UpcycleSettings)}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise MoeifyError(f"upcycle() got unknown setting(s): {', '.join(unknown)}",
+                          f"the settings are UpcycleSettings' fields: {', '.join(sorted(known))}")
+    given = {k: v for k, v in settings.items() if v is not None}
+    if max_shard_size is not None:
+        given["max_shard_bytes"] = parse_size(max_shard_size)
+    if isinstance(given.get("targets"), str):
+        given["targets"] = tuple(t.strip() for t in given["targets"].split(",") if t.strip())
+    elif given.get("targets") is not None:
+        given["targets"] = tuple(given["targets"])
+    return plan_upcycle(resolve(src), UpcycleSettings(**given), allow_pickle=allow_pickle, force=force)
+
+
+def run_upcycle_plan(plan, out: str | Path, *, overwrite: bool = False, progress: Progress | None = None,
+                     check_text: Sequence[str | Path] | None = None, check_tokens: int = 512) -> dict:
+    """Write the upcycle a prepared plan describes, checked against the source; returns report.json. The KL of the
+    model as written is measured on check_text (default: the bundled sample; a source without a tokenizer: random
+    tokens, unless check_text is given, which then fails before anything is written)."""
+    from .calibrate import read_texts
+    from .config import BUNDLED_CALIB
+    from .upcycling import check_windows, run_upcycle
+
+    ids = None
+    if check_text or any((plan.src.path / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+        text = read_texts(list(check_text) if check_text else [BUNDLED_CALIB])
+        ids = check_windows(plan.src, text, check_tokens)
+    return run_upcycle(plan, out, overwrite=overwrite, progress=progress, check_ids=ids)
+
+
+def upcycle(src: str | Path, out: str | Path, *, copies: int = 8, granularity: int = 1, top_k: int = 2,
+            overwrite: bool = False, progress: Progress | None = None, check_text: Sequence[str | Path] | None = None,
+            check_tokens: int = 512, allow_pickle: bool = False, force: bool = False, **settings) -> dict:
+    """An MoE whose experts are copies of each dense FFN of `src` (a folder or a Hub id), for MoE training:
+    `copies` copies, each cut into `granularity` slices (fine-grained experts), `top_k` (a multiple of granularity)
+    a token; exact at initialisation under the class's own routing (checked against the source before the output is
+    committed) unless settings' symmetry breaking (drop, noise) makes the copies differ. settings: shared_width,
+    format, symmetry, drop_share, noise_scale, router_std, dtype, seed, targets, max_shard_size. check_text: text
+    files for the KL to the source of the model as written (default: the bundled sample). Returns report.json."""
+    plan = prepare_upcycle(src, copies=copies, granularity=granularity, top_k=top_k, allow_pickle=allow_pickle,
+                           force=force, **settings)
+    return run_upcycle_plan(plan, out, overwrite=overwrite, progress=progress, check_text=check_text,
+                            check_tokens=check_tokens)
+
+
 __all__ = ["Conversion", "convert", "tune", "evaluate", "plan", "prepare_conversion", "run_prepared", "serve_layouts",
-           "MoeifyError"]
+           "upcycle", "prepare_upcycle", "run_upcycle_plan", "MoeifyError"]

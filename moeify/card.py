@@ -56,6 +56,8 @@ def render(out: Path, name: str | None = None) -> str:
 
     out = Path(out)
     report = json.loads((out / "report.json").read_text())
+    if report.get("construction") == "upcycle":
+        return _render_upcycle(out, report, name)
     config = json.loads((out / "config.json").read_text())
     toml_text = (out / "moeify.toml").read_text()
     src = Path(report.get("source", ""))
@@ -117,6 +119,72 @@ def render(out: Path, name: str | None = None) -> str:
     return f"---\n{front}\n---\n\n" + "\n".join(lines)
 
 
+UPCYCLE_TRAINING = ("Train it as the upcycling literature did: the learning rate reset to the source's pretraining "
+                    "peak (sparse upcycling, arXiv 2212.05055; NVIDIA, arXiv 2410.07524), a load-balancing loss of "
+                    "1e-2 to 1e-3 against expert collapse, top-k ≥ 2.")
+
+
+def _render_upcycle(out: Path, report: dict, name: str | None) -> str:
+    """The card of an upcycled output: copies of each FFN for MoE training, exact (or how far from exact) at init."""
+    from huggingface_hub import ModelCardData
+
+    from .hub import hub_origin
+
+    src = Path(report.get("source", ""))
+    origin = hub_origin(src) if str(src) else None
+    base = origin[0] if origin else src.name or "the dense model"
+    fmt = report.get("format", "")
+    s = report.get("settings", {})
+    check = report.get("check", {})
+    data = ModelCardData(base_model=origin[0] if origin else None, base_model_relation="finetune" if origin else None,
+                         library_name="transformers", pipeline_tag="text-generation",
+                         license=source_licence(src) if src.is_dir() else None,
+                         tags=["moeify", "mixture-of-experts", "moe", "upcycling", fmt])
+    title = name or out.resolve().name
+    g, copies = report.get("granularity", 1), report.get("copies")
+    kind = "full-width copies" if g == 1 else f"fine-grained copies (each cut into {g} slices)"
+    symmetry = s.get("symmetry", "none")
+    broken = {"none": "The copies are identical: with its routing as written it computes exactly what the dense model "
+                      "computes (a router between identical copies gets almost no gradient until they differ).",
+              "permute": "Each copy's neurons are shuffled before slicing, so slices of different copies differ; a "
+                         "token still gets whole copies, so it computes exactly what the dense model computes.",
+              "drop": f"Drop-Upcycling: {s.get('drop_share', 0):.0%} of each expert's neurons re-initialised from "
+                      "the source matrices' statistics, so the experts differ from the start.",
+              "noise": f"Each copy's weights plus Gaussian noise of {s.get('noise_scale', 0):g} × each matrix's "
+                       "standard deviation."}[symmetry]
+    kl = check.get("kl_to_source")
+    lines = [f"# {title}", "",
+             f"A Mixture-of-Experts model upcycled from {f'[{base}](https://huggingface.co/{base})' if origin else f'`{base}`'} "
+             f"by moeify {report.get('moeify_version', '')}: every FFN's neurons made into {copies} {kind}, with a "
+             f"router per layer, as a starting point for MoE training. {broken}", "",
+             "## Layout", "", "| | |", "|---|---|",
+             f"| format | `{fmt}` (transformers' `{MODEL_CLASSES.get(fmt, fmt)}`, no remote code; top-k weights "
+             "renormalised) |",
+             f"| routed experts | {report.get('experts')} of {report.get('expert_width')} neurons ({copies} copies × "
+             f"{g}), top-{report.get('top_k')} a token |"]
+    if report.get("shared_width"):
+        lines.append(f"| shared expert | {report['shared_width']} neurons, always on |")
+    lines += [f"| FFN parameters | × {report.get('ffn_params_ratio', 0):.2f} the dense FFN's |",
+              f"| FFN compute per token | × {report.get('ffn_flops_ratio', 0):.2f} the dense FFN's |",
+              f"| parameters | {_millions(report.get('total_params', 0))} total, "
+              f"{_millions(report.get('active_params', 0))} active per token |",
+              f"| dtype | {report.get('output_dtype', '')} |", "",
+              "## Checked at the end of the upcycle", "",
+              f"- Exactness: {check.get('exact_model', 'the model')}, routed by its own top-k, against the dense "
+              f"model on {check.get('tokens', 0)} random tokens: max |logit difference| "
+              f"{check.get('max_logit_diff', float('nan')):.3g} (max |logit| {check.get('logit_scale', 0):.3g}).",
+              f"- As written: KL divergence to the dense model's next-token distributions {kl:.4g} nats"
+              + (f" on {check.get('kl_text_tokens'):,} tokens of text." if check.get("kl_text_tokens") else
+                 " on the random tokens.") if kl is not None else "- KL to the dense model: not measured.",
+              "", "## Training it", "", UPCYCLE_TRAINING, "",
+              "```python", "from transformers import AutoModelForCausalLM", "",
+              f'model = AutoModelForCausalLM.from_pretrained("{title}")', "```", ""]
+    lines += _evaluation_lines(out)
+    lines += ["", "## Recipe", "", "The settings that made it (`moeify.toml`):", "", "```toml",
+              (out / "moeify.toml").read_text().rstrip(), "```", ""]
+    return f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)
+
+
 def _evaluation_lines(out: Path) -> list[str]:
     f = out / EVALUATION
     try:
@@ -130,6 +198,27 @@ def _evaluation_lines(out: Path) -> list[str]:
             "| model | perplexity | × the first |", "|---|---:|---:|"]
     for m in ev.get("models", []):
         rows.append(f"| {m['name']} | {m['ppl']:.3f} | {m['ratio']:.3f} |")
+    return rows + _task_lines(ev)
+
+
+def _task_lines(ev: dict) -> list[str]:
+    """`moeify eval --tasks`' accuracy beside the first model's, and the generation health line."""
+    names = [m["name"] for m in ev.get("models", [])] or ["the first", "this"]
+    rows, tasks, gen = [], ev.get("tasks"), ev.get("generation")
+    if tasks:
+        rows += ["", f"- Zero-shot tasks by `moeify eval --tasks` (lm-evaluation-harness {tasks['lm_eval']}; both "
+                 "models on the same items; the difference with its paired standard error):", "",
+                 f"| task | metric | items | {names[0]} | {names[-1]} | difference |", "|---|---|---:|---:|---:|---:|"]
+        for r in tasks["rows"]:
+            ppl = r["metric"] == "perplexity"
+            diff = f"×{r['diff']:.3f} ± {r['diff_se']:.3f}" if ppl else f"{r['diff']:+.4f} ± {r['diff_se']:.4f}"
+            spec = ".2f" if ppl else ".4f"
+            rows.append(f"| {r['task']} | {r['metric']} | {r['n']:,} | {r['reference']:{spec}} | {r['this']:{spec}} "
+                        f"| {diff} |")
+    if gen:
+        rows += ["", f"- Generation health: repeated {gen['ngram']}-grams in greedy continuations of {gen['prompts']} "
+                 f"prompts from {ev.get('data', 'the text')} ({gen['new_tokens']} new tokens each): {names[0]} "
+                 f"{gen['reference']:.3f}, {names[-1]} {gen['this']:.3f} ({gen['diff']:+.3f} ± {gen['diff_se']:.3f})."]
     return rows
 
 
@@ -147,7 +236,27 @@ def record_evaluation(out: Path, result: dict, reference: dict, this: dict) -> N
           "seq_len": settings.get("seq_len"), "dtype": this.get("dtype"),
           "models": [{"name": Path(m["path"]).name, "path": m["path"], "ppl": m["perplexity"],
                       "ratio": m["perplexity"] / reference["perplexity"]} for m in (reference, this)]}
-    (Path(out) / EVALUATION).write_text(json.dumps(ev, indent=1) + "\n")
+    i = [m["path"] for m in result["models"]].index(this["path"])
+    if result.get("tasks"):
+        t = result["tasks"]
+        ev["tasks"] = {"lm_eval": t["lm_eval"], "limit": t["limit"], "rows": [
+            {"task": name, "metric": metric, "n": task["n"], "reference": entries[0]["value"],
+             "this": entries[i]["value"], "diff": entries[i]["diff"], "diff_se": entries[i]["diff_se"]}
+            for name, task in t["tasks"].items() for metric, entries in task["metrics"].items()]}
+    if this.get("generation"):
+        g = this["generation"]
+        ev["generation"] = {**{k: result["settings"]["generation"][k] for k in ("ngram", "prompts", "new_tokens")},
+                            "reference": reference["generation"]["repeated"], "this": g["repeated"],
+                            "diff": g["diff"], "diff_se": g["diff_se"]}
+    f = Path(out) / EVALUATION
+    try:  # an eval without --tasks keeps the task accuracy an earlier one measured on this output
+        earlier = json.loads(f.read_text()) if f.is_file() else {}
+    except ValueError:
+        earlier = {}
+    for key in ("tasks", "generation"):
+        if key not in ev and key in earlier:
+            ev[key] = earlier[key]
+    f.write_text(json.dumps(ev, indent=1) + "\n")
     write(out)
 
 

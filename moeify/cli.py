@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 from pathlib import Path
@@ -14,7 +13,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from .errors import MoeifyError, ParallelError
-from .terminal import console, out_console, progress_bars, stage_callback
+from .terminal import JSON_HELP, console, out_console, progress_bars, stage_callback  # noqa: F401
+from .terminal import fail as _fail, json_option as _json_option, tables as _tables, write_json as _write_json
 
 app = typer.Typer(
     help="Carve a dense LLaMA/Mistral/Qwen2/Qwen3 checkpoint into a Mixture-of-Experts checkpoint, and measure the cost.",
@@ -37,42 +37,10 @@ def _main(version: bool = typer.Option(False, "--version", callback=_version, is
     """Carve a dense LLaMA/Mistral/Qwen2/Qwen3 checkpoint into a Mixture-of-Experts checkpoint, and measure the cost."""
 
 
-def _fail(exc: MoeifyError) -> None:
-    console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)  # e.g. moeify[plot]
-    raise typer.Exit(2)
-
-
-JSON_HELP = "Write them as JSON to this file, or to stdout with '-' (the tables then go to stderr)."
-
-
-def _json_option(what: str):
-    return typer.Option(None, "--json", metavar="PATH|-", help=f"{what} {JSON_HELP}")
-
-
-def _tables(json_dest: Optional[str]) -> Console:
-    """Where human-readable output goes: stdout, unless stdout carries the JSON (--json -)."""
-    return console if json_dest == "-" else out_console
-
-
-def _write_json(data: dict, dest: str) -> None:
-    """Every command's --json: PATH writes a file (and says so), '-' prints the JSON alone on stdout."""
-    text = json.dumps(data, indent=1) + "\n"
-    if dest == "-":
-        typer.echo(text, nl=False)
-        return
-    path = Path(dest)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    except OSError as exc:
-        raise MoeifyError(f"--json {path} cannot be written ({exc.strerror or exc.__class__.__name__})",
-                          "give a writable file path, or '-' for stdout") from None
-    console.print(f"[bold green]wrote[/] {escape(str(path))}", highlight=False, soft_wrap=True)
-
-
 def _run_eval(models: list[Path], data: Optional[str], settings, json_dest: Optional[str] = None,
-              plot: Optional[Path] = None, tables: Optional[Console] = None) -> None:
-    """Shared by `eval` and `convert --eval`: perplexity and routing of every model, one table."""
+              plot: Optional[Path] = None, tables: Optional[Console] = None, **tasks) -> None:
+    """Shared by `eval` and `convert --eval`: perplexity and routing of every model, one table (tasks: `eval
+    --tasks`' options: also task accuracy and generation health)."""
     from .api import evaluate
     from .evaluation import plot_routing, require_matplotlib
     from .report import print_eval
@@ -80,14 +48,7 @@ def _run_eval(models: list[Path], data: Optional[str], settings, json_dest: Opti
     if plot:
         require_matplotlib()
     with progress_bars() as bar:
-        tasks: dict[str, int] = {}
-
-        def on_progress(stage: str, done: int, total: int) -> None:
-            if stage not in tasks:
-                tasks[stage] = bar.add_task(f"scoring {stage}", total=total)
-            bar.update(tasks[stage], completed=done)
-
-        result = evaluate(models, data, progress=on_progress, **dataclasses.asdict(settings))
+        result = evaluate(models, data, progress=stage_callback(bar), **tasks, **dataclasses.asdict(settings))
     print_eval(tables or _tables(json_dest), result)
     if json_dest:
         _write_json(result.to_json(), json_dest)
@@ -118,17 +79,27 @@ def eval_cmd(
     json_dest: Optional[str] = _json_option("Every number (per layer, per expert)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="PNG of per-layer expert load heatmaps (needs "
                                         "matplotlib: pip install 'moeify[plot]')."),
+    tasks: Optional[str] = typer.Option(None, "--tasks", help="Also zero-shot accuracy on these lm-eval tasks, e.g. "
+                                        "arc_easy,piqa (the same items for every model; needs pip install "
+                                        "'moeify[tasks]'), and generation health on prompts from --data."),
+    task_dir: Optional[Path] = typer.Option(None, "--task-dir", help="Your own lm-eval task YAMLs (looked in first)."),
+    task_data: Optional[Path] = typer.Option(None, "--task-data", help="Folder of the six bundled tasks' files "
+                                             "(arc_easy/test.jsonl, ...), offline [default: $MOEIFY_TASK_DATA, "
+                                             "else lm-eval's registry and the Hub]."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Only the first N items of each task [default: all]."),
 ) -> None:
-    """Perplexity of every model on the same tokens and windows, parameters, tokens/s, and MoE routing statistics.
+    """Perplexity of every model on the same tokens and windows, parameters, tokens/s, and MoE routing statistics;
+    with --tasks, zero-shot task accuracy (lm-evaluation-harness) and repeated n-grams in greedy continuations.
 
-    Example: moeify eval path/to/dense out/llama-moe --data wiki.test.txt --seq-len 2048
+    Example: moeify eval path/to/dense out/llama-moe --tasks arc_easy,piqa --task-data shared/tasks --limit 500
     """
     from .evaluation import EvalSettings
 
     try:
         settings = EvalSettings(seq_len=seq_len, stride=stride, max_tokens=max_tokens, batch_size=batch_size,
                                 device=device, dtype=dtype, oracle=oracle, kl=kl)
-        _run_eval(models, data, settings, json_dest, plot)
+        _run_eval(models, data, settings, json_dest, plot, tasks=tasks, task_dir=task_dir, task_data=task_data,
+                  limit=limit)
     except MoeifyError as exc:
         _fail(exc)
 
@@ -577,6 +548,11 @@ def verify_cmd(
                       highlight=False, soft_wrap=True)
         raise typer.Exit(2)
     tables.print(f"[bold green]OK[/] {escape(str(out))}", highlight=False, soft_wrap=True)
+
+
+from .cli_upcycle import upcycle_cmd  # noqa: E402 (after the commands above: the order of --help)
+
+app.command("upcycle")(upcycle_cmd)
 
 
 def _on_sigterm(signum, frame) -> None:

@@ -27,11 +27,11 @@ from .numerics import release_memory
 from .carve import CarvedLayer, carve_weight_only
 from .experts import ffn_output_tensors
 from .router import SHARED_GATE_MIN, shared_gate_value
-from .families import (TOKENIZER_FILES, SourceModel, attention_extras, check_source_tensors,
+from .families import (TOKENIZER_FILES, SourceModel, attention_infos, check_source_tensors,
                        ffn_tensor_names, load_source, target_config)
 from .partition import valid_expert_counts
 from .writer import (LOCK_NAME, BackgroundWriter, ShardLayout, ShardWriter, check_free_space, check_output_path,
-                     commit_output, prepare_output)
+                     check_written, commit_output, prepare_output, write_attention, write_head)
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
@@ -139,13 +139,9 @@ def plan_conversion(src_path: str | Path, cfg: ConvertConfig, *, allow_pickle: b
 
     out_dtype = DTYPE_NAMES[cfg.dtype] if cfg.dtype != "auto" else reader.tensors["model.embed_tokens.weight"].dtype
     plan = _derive_plan(src, reader, cfg, fmt, width, out_dtype)
-    from .engines import blocking
+    from .engines import refuse_blocked
 
-    stop = blocking(plan.engine_notes, cfg.targets)
-    if stop and not force:
-        n = stop[0]
-        raise MoeifyError(f"--target {n.engine}: {n.engine} cannot run this layout: {n.what}",
-                          f"{n.fix}; or pass --force to write it anyway")
+    refuse_blocked(plan.engine_notes, cfg.targets, force)
     return plan
 
 
@@ -201,10 +197,7 @@ def _output_tensors(src: SourceModel, reader: CheckpointReader, fmt: str, cfg: C
     h = src.hidden
     out = [TensorInfo("model.embed_tokens.weight", dtype, (src.vocab, h))]
     for i in range(src.n_layers):
-        p = f"model.layers.{i}."
-        for name in (n + ".weight" for n in src.attention_tensors):
-            out.append(TensorInfo(p + name, dtype, reader.tensors[p + name].shape))
-        out += [TensorInfo(n, dtype, s) for n, s in attention_extras(fmt, src, i)]
+        out += attention_infos(src, reader.tensors, fmt, i, dtype)
         dense = i in cfg.dense_layers
         for name in ffn_tensor_names(fmt, i, cfg.experts, dense, shared=cfg.shared > 0):
             out.append(TensorInfo(name, dtype, _ffn_shape(name, src, cfg, width, dense)))
@@ -273,7 +266,7 @@ def run_conversion(plan: ConversionPlan, out: str | Path, *, overwrite: bool = F
         plan.reader.close()
         shutil.rmtree(tmp / SPILL_DIR, ignore_errors=True)
         report = _write_metadata(plan, tmp, layers_report, time.time() - t0, calib_info)
-        verify_layout(tmp, plan)
+        check_written(tmp, plan.tensors)
         _verify_structure(tmp)
         if tune:
             carved_dir = state_dir(out) / "carved"
@@ -313,11 +306,7 @@ def _write_tensors(plan: ConversionPlan, writer: ShardWriter, carved: dict[int, 
             reader.prefetch(reader.layer_tensors(i + 1))
         attn_file = tmp / SPILL_DIR / f"{i}.attention.safetensors"  # tuned (--tune-attention)
         tuned_attn = load_file(str(attn_file)) if attn_file.is_file() else {}
-        for name in (n + ".weight" for n in src.attention_tensors):
-            t = tuned_attn.get(name.removesuffix(".weight"))
-            writer.write(p + name, (reader.get(p + name) if t is None else t).to(dtype))
-        for name, shape in attention_extras(plan.fmt, src, i):  # a Qwen2 source's biases, or zeros
-            writer.write(name, reader.get(name).to(dtype) if src.qkv_bias else torch.zeros(shape, dtype=dtype))
+        write_attention(writer, reader, src, plan.fmt, i, dtype, tuned_attn)
         gate, up, down = (reader.get(p + f"mlp.{n}_proj.weight") for n in ("gate", "up", "down"))
         if i in cfg.dense_layers:
             for name, t in zip(ffn_tensor_names(plan.fmt, i, cfg.experts, True, cfg.shared > 0), (gate, up, down)):
@@ -343,10 +332,7 @@ def _write_tensors(plan: ConversionPlan, writer: ShardWriter, carved: dict[int, 
         del gate, up, down
         if progress:
             progress("writing", i + 1, src.n_layers)
-    writer.write("model.norm.weight", reader.get("model.norm.weight").to(dtype))
-    if not plan.tied_out:
-        name = "lm_head.weight" if "lm_head.weight" in reader.tensors and not src.tied else "model.embed_tokens.weight"
-        writer.write("lm_head.weight", reader.get(name).to(dtype))
+    write_head(writer, reader, src, plan.tied_out, dtype)
     return layers_report
 
 
@@ -372,17 +358,6 @@ def _write_metadata(plan: ConversionPlan, tmp: Path, layers_report: list[dict], 
     copy_licence(plan.src.path, tmp)
     write_card(tmp, name=tmp.name.removesuffix(PARTIAL_SUFFIX))
     return report
-
-
-def verify_layout(out_dir: Path, plan: ConversionPlan) -> None:
-    """Cheap check of what was written: every planned tensor in the shard headers with its shape and dtype."""
-    written = CheckpointReader(out_dir).tensors
-    for t in plan.tensors:
-        got = written.get(t.name)
-        if got is None or got.shape != t.shape or got.dtype != t.dtype:
-            raise RuntimeError(f"output check failed for {t.name}: planned {t.shape} {t.dtype}, wrote {got}")
-    if len(written) != len(plan.tensors):
-        raise RuntimeError(f"output check failed: {len(written)} tensors written, {len(plan.tensors)} planned")
 
 
 def _verify_structure(out_dir: Path) -> None:

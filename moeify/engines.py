@@ -39,11 +39,18 @@ class EngineNote:
 
 
 def engine_notes(fmt: str, top_k: int, experts: int, shared_width: int, padded_width: int, tied_out: bool,
-                 dense_layers: int, head_dim: int, hidden: int, heads: int, qkv_bias: bool = False) -> list[EngineNote]:
+                 dense_layers: int, head_dim: int, hidden: int, heads: int, qkv_bias: bool = False,
+                 renormalised: bool = False) -> list[EngineNote]:
     """What each engine says of a planned layout (empty: every engine runs it as well as its width allows).
-    qkv_bias: the source has q/k/v biases (Qwen2), so Mixtral is no way out."""
+    qkv_bias: the source has q/k/v biases (Qwen2), so Mixtral is no way out. renormalised: a Qwen2-MoE written with
+    norm_topk_prob true (an upcycle), which llama.cpp's qwen2moe does not honour."""
     notes = []
     mixtral = "" if qkv_bias else "use --format mixtral or "
+    if fmt == "qwen2_moe" and renormalised:
+        notes.append(EngineNote("llama.cpp", True, "its qwen2moe never renormalises the top-k weights (it ignores "
+                                "norm_topk_prob), so the copies' outputs are scaled by their share of the softmax and "
+                                "the model is not the source there", f"{mixtral}serve it with transformers or vLLM "
+                                "(both honour norm_topk_prob)"))
     if top_k > LLAMACPP_MAX_TOPK:
         notes.append(EngineNote("llama.cpp", True, f"top-k {top_k} overflows its compute graph (more than "
                                 f"{LLAMACPP_MAX_TOPK} experts per token abort with GGML_ASSERT(obj_new))",
@@ -105,4 +112,15 @@ def blocking(notes: list[EngineNote], targets: tuple[str, ...]) -> list[EngineNo
     return [n for n in notes if n.fails and n.engine in targets]
 
 
-__all__ = ["ENGINES", "LLAMACPP_MAX_TOPK", "EngineNote", "engine_notes", "blocking", "same_share_layout"]
+def refuse_blocked(notes: list[EngineNote], targets: tuple[str, ...], force: bool) -> None:
+    """MoeifyError for the first note that stops a --target engine, unless --force."""
+    from .errors import MoeifyError
+
+    stop = blocking(notes, targets)
+    if stop and not force:
+        n = stop[0]
+        raise MoeifyError(f"--target {n.engine}: {n.engine} cannot run this layout: {n.what}",
+                          f"{n.fix}; or pass --force to write it anyway")
+
+
+__all__ = ["refuse_blocked", "ENGINES", "LLAMACPP_MAX_TOPK", "EngineNote", "engine_notes", "blocking", "same_share_layout"]

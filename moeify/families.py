@@ -232,8 +232,9 @@ def legacy_rope(rope_parameters: dict) -> tuple[float, dict | None]:
 
 
 def target_config(src: SourceModel, fmt: str, *, experts: int, top_k: int, expert_width: int, shared_width: int,
-                  dense_layers: tuple[int, ...], dtype: torch.dtype, tied: bool) -> dict:
-    """config.json for the output, built by the transformers config class, plus legacy rope keys."""
+                  dense_layers: tuple[int, ...], dtype: torch.dtype, tied: bool, renormalise: bool = False) -> dict:
+    """config.json for the output, built by the transformers config class, plus legacy rope keys. renormalise: a
+    Qwen2-MoE with norm_topk_prob true (an upcycle's copies need it; a carve writes false, as llama.cpp computes)."""
     from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     keep = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -249,7 +250,7 @@ def target_config(src: SourceModel, fmt: str, *, experts: int, top_k: int, exper
     elif fmt == "qwen2_moe":
         layer_types = ["sliding_attention" if src.sliding_window else "full_attention"] * src.n_layers
         cfg = Qwen2MoeConfig(**base, intermediate_size=src.d_ff, moe_intermediate_size=expert_width,
-                             shared_expert_intermediate_size=shared_width, num_experts=experts, norm_topk_prob=False,
+                             shared_expert_intermediate_size=shared_width, num_experts=experts, norm_topk_prob=renormalise,
                              mlp_only_layers=list(dense_layers), decoder_sparse_step=1, qkv_bias=True,
                              use_sliding_window=bool(src.sliding_window), sliding_window=src.sliding_window,
                              max_window_layers=src.n_layers, layer_types=layer_types)
@@ -302,6 +303,15 @@ def ffn_tensor_names(fmt: str, layer_idx: int, experts: int, dense: bool, shared
         names += [p + "shared_expert.gate_proj.weight", p + "shared_expert.up_proj.weight",
                   p + "shared_expert.down_proj.weight", p + "shared_expert_gate.weight"]
     return names
+
+
+def attention_infos(src: SourceModel, tensors: dict[str, TensorInfo], fmt: str, layer_idx: int,
+                    dtype: torch.dtype) -> list[TensorInfo]:
+    """Layer layer_idx's attention and norm tensors in the output (shapes from the source's headers `tensors`), and
+    the format's q/k/v biases: what writer.write_attention writes."""
+    p = f"model.layers.{layer_idx}."
+    out = [TensorInfo(p + n, dtype, tensors[p + n].shape) for n in (t + ".weight" for t in src.attention_tensors)]
+    return out + [TensorInfo(n, dtype, shape) for n, shape in attention_extras(fmt, src, layer_idx)]
 
 
 def attention_extras(fmt: str, src: SourceModel, layer_idx: int) -> list[tuple[str, tuple[int, ...]]]:

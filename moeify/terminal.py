@@ -3,14 +3,54 @@ line a minute in a log file)."""
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
+from typing import Optional
 
+import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.text import Text
 
+from .errors import MoeifyError
+
 console = Console(stderr=True)
 out_console = Console()
+
+
+def fail(exc: MoeifyError) -> None:
+    console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)  # e.g. moeify[plot]
+    raise typer.Exit(2)
+
+
+JSON_HELP = "Write them as JSON to this file, or to stdout with '-' (the tables then go to stderr)."
+
+
+def json_option(what: str):
+    return typer.Option(None, "--json", metavar="PATH|-", help=f"{what} {JSON_HELP}")
+
+
+def tables(json_dest: Optional[str]) -> Console:
+    """Where human-readable output goes: stdout, unless stdout carries the JSON (--json -)."""
+    return console if json_dest == "-" else out_console
+
+
+def write_json(data: dict, dest: str) -> None:
+    """Every command's --json: PATH writes a file (and says so), '-' prints the JSON alone on stdout."""
+    text = json.dumps(data, indent=1) + "\n"
+    if dest == "-":
+        typer.echo(text, nl=False)
+        return
+    path = Path(dest)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as exc:
+        raise MoeifyError(f"--json {path} cannot be written ({exc.strerror or exc.__class__.__name__})",
+                          "give a writable file path, or '-' for stdout") from None
+    console.print(f"[bold green]wrote[/] {escape(str(path))}", highlight=False, soft_wrap=True)
 
 
 def stage_callback(bar: Progress):

@@ -277,6 +277,10 @@ def _check_report(out: Path, layout: MoeLayout) -> list[str]:
     if report is None:
         return []
     layers = report["layers"]
+    if report.get("construction") == "upcycle":
+        from .verify_upcycle import check_report
+
+        return check_report(report, layout.n_layers, layout.n_experts, layout.top_k)
     problems = []
     if [entry.get("layer") if isinstance(entry, dict) else None for entry in layers] != list(range(layout.n_layers)):
         return [f"report.json lists layers that are not 0..{layout.n_layers - 1} in order"]
@@ -507,13 +511,15 @@ def verify_checkpoint(out: str | Path, against: str | Path | None = None, *, val
         result.skipped.append(f"comparison with {against}: skipped because the structure checks failed")
         return result
     against = Path(against)
+    report = read_report(out) or {}
+    if report.get("construction") == "upcycle":
+        return _verify_upcycle(result, out, against, report, layout, reader, logits, allow_pickle, seq_len, progress)
     diffs, skipped = check_weights_against(out, layout, reader, against, allow_pickle=allow_pickle, progress=progress)
     result.problems += diffs
     result.skipped += skipped
     result.checked.append(f"weights against {against}: non-FFN tensors and un-permuted experts bit for bit")
     if not logits:
         return result
-    report = read_report(out) or {}
     if any(entry.get("compensated") or entry.get("tuned") for entry in report.get("layers", [])):
         result.skipped.append("logits: FFN weights were refit (--compensate) or tuned (--fit-epochs / --tune-tokens), so the MoE model "
                               "is not the dense one by design; not compared")
@@ -526,6 +532,34 @@ def verify_checkpoint(out: str | Path, against: str | Path | None = None, *, val
                                f"(allowed {tol:.3g} = {LOGIT_RTOL:g} × max |logit| {scale:.3g})")
     result.checked.append(f"logits, all {layout.n_experts} experts active, float32: max |diff| {diff:.3g} "
                           f"(≤ {tol:.3g})")
+    return result
+
+
+def _verify_upcycle(result: VerifyResult, out: Path, against: Path, report: dict, layout: MoeLayout,
+                    reader: CheckpointReader, logits: bool, allow_pickle: bool, seq_len: int,
+                    progress: Progress | None) -> VerifyResult:
+    """An upcycled output against its source (moeify.verify_upcycle)."""
+    from .verify_upcycle import EXACT_SYMMETRY, check_against, compare_logits as streamed_logits, logits_problem
+
+    dtype = layout.dtype or reader.tensors["model.embed_tokens.weight"].dtype
+    problems, checked, skipped = check_against(out, against, report, layout.fmt, dtype, reader,
+                                               allow_pickle=allow_pickle, progress=progress)
+    result.problems += _listed(problems, "differences")
+    result.checked += checked
+    result.skipped += skipped
+    if not logits:
+        return result
+    if report.get("settings", {}).get("symmetry", "none") not in EXACT_SYMMETRY:
+        result.skipped.append("logits: the copies were made to differ on purpose, so the model is not the source by "
+                              "design; not compared")
+        return result
+    diff, scale = streamed_logits(out, against, seq_len=seq_len)
+    result.max_logit_diff, result.logit_scale = diff, scale
+    problem = logits_problem(diff, scale, LOGIT_RTOL, against)
+    if problem:
+        result.problems.append(problem)
+    result.checked.append(f"logits, top-{layout.top_k} of {layout.n_experts} routed as written, float32, a decoder "
+                          f"layer at a time: max |diff| {diff:.3g}")
     return result
 
 

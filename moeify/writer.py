@@ -424,6 +424,42 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def write_attention(writer, reader, src, fmt: str, layer_idx: int, dtype: torch.dtype,
+                    tuned: dict[str, torch.Tensor] | None = None) -> None:
+    """Layer layer_idx's attention and norm weights (the source's, or `tuned` ones by name without `.weight`) and the
+    target format's q/k/v biases (a Qwen2 source's own, zeros for a Llama's), in the order the plans list them."""
+    from .families import attention_extras
+
+    p = f"model.layers.{layer_idx}."
+    for name in (n + ".weight" for n in src.attention_tensors):
+        t = (tuned or {}).get(name.removesuffix(".weight"))
+        writer.write(p + name, (reader.get(p + name) if t is None else t).to(dtype))
+    for name, shape in attention_extras(fmt, src, layer_idx):
+        writer.write(name, reader.get(name).to(dtype) if src.qkv_bias else torch.zeros(shape, dtype=dtype))
+
+
+def write_head(writer, reader, src, tied_out: bool, dtype: torch.dtype) -> None:
+    """The final norm, and lm_head unless the output keeps the embeddings tied (a tied source's copy otherwise)."""
+    writer.write("model.norm.weight", reader.get("model.norm.weight").to(dtype))
+    if not tied_out:
+        name = "lm_head.weight" if "lm_head.weight" in reader.tensors and not src.tied else "model.embed_tokens.weight"
+        writer.write("lm_head.weight", reader.get(name).to(dtype))
+
+
+def check_written(out_dir: Path, tensors: list[TensorInfo]) -> None:
+    """Cheap check of what was written: every planned tensor in the shard headers with its shape and dtype, and
+    nothing else."""
+    from .checkpoint import CheckpointReader
+
+    written = CheckpointReader(out_dir).tensors
+    for t in tensors:
+        got = written.get(t.name)
+        if got is None or got.shape != t.shape or got.dtype != t.dtype:
+            raise RuntimeError(f"output check failed for {t.name}: planned {t.shape} {t.dtype}, wrote {got}")
+    if len(written) != len(tensors):
+        raise RuntimeError(f"output check failed: {len(written)} tensors written, {len(tensors)} planned")
+
+
 def commit_output(tmp: Path, out: Path) -> None:
     """Move the finished temporary directory into place (replacing OUT when --overwrite).
 

@@ -1,0 +1,135 @@
+"""`moeify upcycle`: parses its flags, calls moeify.api.upcycle's two halves, renders the plan and the result.
+Registered on cli.app by cli.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from .errors import MoeifyError
+from .terminal import console, fail, json_option, progress_bars, stage_callback, tables, write_json
+
+
+def _millions(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def _print_plan(out_console, plan, out: Path) -> None:
+    lay, s = plan.layout, plan.settings
+    t = Table(title=f"upcycle {plan.src.path.name} -> {out.name}", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    kind = "full width" if lay.granularity == 1 else f"{lay.granularity} slices each"
+    t.add_row("format", f"{plan.fmt} (top-k renormalised)")
+    t.add_row("experts", f"{lay.copies} copies x {lay.granularity} = {lay.n_experts} of {lay.expert_width} "
+              f"neurons ({kind}), top-{lay.top_k}")
+    if lay.shared_width:
+        t.add_row("shared expert", f"{lay.shared_width} neurons, always on")
+    t.add_row("FFN params", f"x{lay.params_ratio:.2f} dense")
+    t.add_row("FFN compute", f"x{lay.compute_ratio:.2f} dense per token")
+    t.add_row("parameters", f"{_millions(plan.total_params)} total, {_millions(plan.active_params)} active")
+    t.add_row("output", f"{plan.output_bytes / 1e9:.2f} GB, {len(plan.shards.files)} shard(s), "
+              f"{str(plan.out_dtype).removeprefix('torch.')}")
+    sym = {"none": "none: identical copies, exact",
+           "permute": "permute: slices of each copy shuffled, exact",
+           "drop": f"drop: {s.drop_share:.0%} of each expert's neurons re-initialised, not exact",
+           "noise": f"noise: {s.noise_scale:g} x each matrix's std, not exact"}[s.symmetry]
+    t.add_row("symmetry", sym)
+    out_console.print(t)
+    for n in plan.engine_notes:
+        colour = "red" if n.fails else "yellow"
+        out_console.print(f"[{colour}]{escape(n.engine)}:[/] {escape(n.what)} ({escape(n.fix)})", highlight=False,
+                          soft_wrap=True)
+
+
+def upcycle_cmd(
+    src: Path = typer.Argument(..., help="Dense checkpoint: a directory or a Hugging Face Hub id, org/name[@revision]."),
+    out: Path = typer.Argument(..., help="Output directory (must not exist unless --overwrite)."),
+    copies: int = typer.Option(8, "--copies", "-e", help="Copies of each FFN (E)."),
+    granularity: int = typer.Option(1, "--granularity", "-g", help="Slices per copy (G): N = E x G experts of d_ff/G "
+                                    "neurons; the top-k must be a multiple of G."),
+    top_k: int = typer.Option(2, "--top-k", "-k", help="Experts a token uses (a multiple of G): FFN compute is "
+                              "top-k/G x dense."),
+    shared_width: int = typer.Option(0, help="Neurons of each FFN kept apart in an always-on shared expert "
+                                     "(Qwen2-MoE); the copies hold the rest."),
+    symmetry: str = typer.Option("drop", help="How the copies are made to differ, so the router learns: drop "
+                                 "(Drop-Upcycling: --drop-share of each expert's neurons re-initialised; ICLR 2025's "
+                                 "best) | permute (fine-grained: each copy's neurons shuffled before slicing; still "
+                                 "exact) | noise (--noise-scale) | none (identical copies: exact, but the router "
+                                 "gets almost no gradient until they differ)."),
+    drop_share: float = typer.Option(0.5, help="With --symmetry drop: share of each expert's neurons re-initialised "
+                                     "from the source matrices' mean and std."),
+    noise_scale: float = typer.Option(0.01, help="With --symmetry noise: noise std relative to each matrix's."),
+    router_std: float = typer.Option(0.0, help="Std of the random router rows [default: the source's "
+                                     "initializer_range, or 0.02]."),
+    format: str = typer.Option("auto", "--format", help="mixtral | qwen2_moe | qwen3_moe | auto (Mixtral for "
+                               "Llama/Mistral, Qwen2-MoE for Qwen2 or with --shared-width, Qwen3-MoE for Qwen3)."),
+    dtype: str = typer.Option("auto", help="Output dtype: auto (the source's) | bfloat16 | float16 | float32."),
+    max_shard_size: Optional[str] = typer.Option(None, help="Max bytes per output shard [default: 5GB]."),
+    seed: int = typer.Option(0, help="Seed of the routers, the re-initialisation, shuffles and noise."),
+    target: Optional[list[str]] = typer.Option(None, "--target", help="A serving engine the output must run "
+                                               "exactly: transformers | vllm | llama.cpp (repeatable); refuses a "
+                                               "layout a target cannot."),
+    force: bool = typer.Option(False, "--force", help="Write a layout that a --target engine cannot run."),
+    check_text: Optional[list[Path]] = typer.Option(None, "--check-text", help="Text for the KL to the source of "
+                                                    "the model as written [default: the bundled sample]."),
+    check_tokens: int = typer.Option(512, min=64, help="Tokens of --check-text scored."),
+    allow_pickle: bool = typer.Option(False, help="Read pytorch_model*.bin weights (torch.load(weights_only=True))."),
+    overwrite: bool = typer.Option(False, help="Replace OUT if it exists."),
+    dry_run: bool = typer.Option(False, help="Print the plan (experts, parameters, compute, engines) and write "
+                                 "nothing."),
+    json_dest: Optional[str] = json_option("The plan (--dry-run) or the report (OUT/report.json)."),
+) -> None:
+    """Make an MoE for training from a dense model: every FFN copied into experts (full width, or fine-grained
+    slices), a router per layer. Exact at initialisation under the class's own top-k routing, checked against the
+    source before anything is committed; --symmetry says how the copies are made to differ, and the card reports by
+    how much (KL to the source). Then train it: `moeify tune` or any trainer.
+
+    \b
+    Examples:
+      moeify upcycle path/to/Llama-3-8B out/llama-8x --copies 8 --top-k 2           # x8 FFN params, x2 compute
+      moeify upcycle Qwen/Qwen2.5-0.5B out/qwen-fg --copies 8 --granularity 4 --top-k 4   # x8 params, x1 compute
+      moeify upcycle path/to/SmolLM2 out/exact --symmetry none                       # identical copies
+    """
+    from .api import prepare_upcycle, run_upcycle_plan
+
+    try:
+        plan = prepare_upcycle(str(src), copies=copies, granularity=granularity, top_k=top_k,
+                               shared_width=shared_width, symmetry=symmetry, drop_share=drop_share,
+                               noise_scale=noise_scale, router_std=router_std, format=format, dtype=dtype,
+                               max_shard_size=max_shard_size, seed=seed,
+                               targets=None if target is None else ",".join(target), allow_pickle=allow_pickle,
+                               force=force)
+        if not dry_run:  # before the plan is printed: nothing to read on the way to this error
+            from .writer import check_output_path
+
+            check_output_path(out, overwrite, plan.src.path)
+        shown = tables(json_dest)
+        _print_plan(shown, plan, out)
+        if dry_run:
+            shown.print("[dim]--dry-run: nothing written[/]")
+            if json_dest:
+                write_json(plan.summary(), json_dest)
+            return
+        with progress_bars() as bar:
+            report = run_upcycle_plan(plan, out, overwrite=overwrite, progress=stage_callback(bar),
+                                      check_text=check_text, check_tokens=check_tokens)
+        c = report["check"]
+        shown.print(f"[green]checked[/] {escape(c['exact_model'])} against {escape(plan.src.path.name)}: max |logit "
+                    f"difference| {c['max_logit_diff']:.3g} (max |logit| {c['logit_scale']:.3g}); as written, KL to "
+                    f"the source {c['kl_to_source']:.4g} nats", highlight=False, soft_wrap=True)
+        shown.print(f"[bold green]wrote[/] {escape(str(out))} in {report['seconds']:.1f} s", highlight=False)
+        if json_dest:
+            write_json(report, json_dest)
+    except MoeifyError as exc:
+        fail(exc)
+    except KeyboardInterrupt:
+        console.print("[bold red]interrupted[/]: the partial output was removed; nothing was left behind")
+        raise typer.Exit(130)
+
+
+__all__ = ["upcycle_cmd"]

@@ -1,0 +1,175 @@
+"""Models run one decoder layer at a time: transformers' own decoder-layer classes (dense Llama / Mistral / Qwen2 /
+Qwen3, or the Mixtral / Qwen2-MoE / Qwen3-MoE an output holds) built on the meta device and loaded with one layer's
+tensors from the shards, so a 70B source and its upcycled 400B MoE can be compared on a few tokens with one layer of
+each resident. The MoE side runs the stock block: its router, top-k and (non-)renormalisation as the class computes
+them, the per-expert tensors of the files fused as transformers fuses them on load.
+
+`stream_hidden` gives each model's final hidden states (after the final norm); `logits` and `kl_to_reference` turn
+them into what the upcycle check and `verify --against` compare, a chunk of tokens at a time.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .checkpoint import CheckpointReader
+from .families import SourceModel, family_classes
+
+MOE_CLASSES = {"mixtral": ("MixtralConfig", "MixtralDecoderLayer", "MixtralRotaryEmbedding"),
+               "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeDecoderLayer", "Qwen2MoeRotaryEmbedding"),
+               "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeDecoderLayer", "Qwen3MoeRotaryEmbedding")}
+ExpertOverride = Callable[[int], "list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None"]
+
+
+@dataclass
+class LayerStack:
+    """One checkpoint as decoder layers: its transformers config, classes, reader and tensor names."""
+
+    config: object
+    layer_cls: type
+    rotary_cls: type
+    reader: CheckpointReader
+    tied: bool
+    fmt: str | None = None  # the MoE format; None for a dense source
+    n_experts: int = 0
+    expert_override: ExpertOverride | None = field(default=None, repr=False)  # layer -> [(gate, up, down)] or None
+
+    @property
+    def n_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    def layer(self, i: int) -> torch.nn.Module:
+        with torch.device("meta"):
+            layer = self.layer_cls(self.config, i)
+        state = {k: self._tensor(i, k).float() for k in layer.state_dict()}
+        layer.load_state_dict(state, assign=True)
+        return layer.eval()
+
+    def _tensor(self, i: int, key: str) -> torch.Tensor:
+        p = f"model.layers.{i}."
+        if self.fmt is None or not key.startswith("mlp."):
+            return self.reader.get(p + key)
+        block = p + ("block_sparse_moe." if self.fmt == "mixtral" else "mlp.")
+        sub = key.removeprefix("mlp.")
+        if sub in ("experts.gate_up_proj", "experts.down_proj"):
+            experts = (self.expert_override(i) if self.expert_override else None) or self._experts(block)
+            if sub == "experts.down_proj":
+                return torch.stack([d.float() for _, _, d in experts])  # (E, d_model, w)
+            return torch.stack([torch.cat([g.float(), u.float()]) for g, u, _ in experts])  # (E, 2w, d_model)
+        if block + sub in self.reader.tensors:  # router, shared expert, shared gate
+            return self.reader.get(block + sub)
+        return self.reader.get(p + key)  # a dense layer of a Qwen2-MoE / Qwen3-MoE (mlp_only_layers)
+
+    def _experts(self, block: str) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        names = ("w1", "w3", "w2") if self.fmt == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+        return [tuple(self.reader.get(f"{block}experts.{e}.{n}.weight") for n in names) for e in range(self.n_experts)]
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.reader.get("model.embed_tokens.weight").float())
+
+    def head(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(final norm weight, output matrix), float32."""
+        name = "model.embed_tokens.weight" if self.tied or "lm_head.weight" not in self.reader.tensors else "lm_head.weight"
+        return self.reader.get("model.norm.weight").float(), self.reader.get(name).float()
+
+
+def source_stack(src: SourceModel, reader: CheckpointReader) -> LayerStack:
+    cls, layer_cls, rotary = family_classes(src.model_type)
+    config = cls.from_dict({k: v for k, v in src.raw.items() if k != "auto_map"})
+    config._attn_implementation = "sdpa"
+    return LayerStack(config, layer_cls, rotary, reader, src.tied)
+
+
+def moe_stack(out: Path, reader: CheckpointReader, expert_override: ExpertOverride | None = None) -> LayerStack:
+    """The MoE checkpoint in `out` (config.json as written), experts from the files or from `expert_override`."""
+    import importlib
+
+    raw = json.loads((Path(out) / "config.json").read_text())
+    fmt = raw["model_type"]
+    config_name, layer_name, rotary_name = MOE_CLASSES[fmt]
+    modeling = importlib.import_module(f"transformers.models.{fmt}.modeling_{fmt}")
+    config = getattr(importlib.import_module("transformers"), config_name).from_dict(
+        {k: v for k, v in raw.items() if k != "auto_map"})
+    config._attn_implementation = "sdpa"
+    config._experts_implementation = "eager"  # float32 on CPU, any width
+    n = raw.get("num_local_experts") or raw.get("num_experts")
+    return LayerStack(config, getattr(modeling, layer_name), getattr(modeling, rotary_name), reader,
+                      bool(config.tie_word_embeddings), fmt, int(n), expert_override)
+
+
+def _mask(config, h: torch.Tensor, position_ids: torch.Tensor):
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    fn = create_sliding_window_causal_mask if getattr(config, "sliding_window", None) else create_causal_mask
+    no_cache = {"cache" if "cache" in inspect.signature(fn).parameters else "past_key_values": None}  # 5.24 renamed it
+    return fn(config=config, inputs_embeds=h, attention_mask=None, position_ids=position_ids, **no_cache)
+
+
+@torch.no_grad()
+def stream_hidden(stacks: list[LayerStack], ids: torch.Tensor,
+                  progress: Callable[[str, int, int], None] | None = None) -> list[torch.Tensor]:
+    """Final hidden states (after the final norm), float32, of each stack on ids (batch, seq): layer i of every stack
+    is built, run and freed before layer i + 1; each stack uses its own config's rotary embedding and mask (so a
+    config that lost a rope or window setting shows)."""
+    position_ids = torch.arange(ids.shape[1]).unsqueeze(0)
+    hidden = [s.embed(ids) for s in stacks]
+    rotary = [s.rotary_cls(s.config) for s in stacks]
+    masks = [_mask(s.config, h, position_ids) for s, h in zip(stacks, hidden)]
+    n_layers = stacks[0].n_layers
+    for i in range(n_layers):
+        for j, s in enumerate(stacks):
+            layer = s.layer(i)
+            pos = rotary[j](hidden[j], position_ids=position_ids)
+            out = layer(hidden_states=hidden[j], position_embeddings=pos, attention_mask=masks[j],
+                        position_ids=position_ids)
+            hidden[j] = out[0] if isinstance(out, tuple) else out
+            del layer
+        if progress:
+            progress("checking", i + 1, n_layers)
+    finals = []
+    for s, h in zip(stacks, hidden):
+        norm, _ = s.head()
+        eps = getattr(s.config, "rms_norm_eps", 1e-6)
+        finals.append(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm)
+    return finals
+
+
+def logits(stack: LayerStack, final: torch.Tensor) -> torch.Tensor:
+    return final @ stack.head()[1].T
+
+
+@torch.no_grad()
+def max_logit_diff(ref: LayerStack, ref_final: torch.Tensor, other: LayerStack, final: torch.Tensor,
+                   chunk: int = 256) -> tuple[float, float]:
+    """(max |logit difference|, max |reference logit|), a chunk of tokens at a time."""
+    a, b = ref_final.reshape(-1, ref_final.shape[-1]), final.reshape(-1, final.shape[-1])
+    w_ref, w = ref.head()[1], other.head()[1]
+    diff = scale = 0.0
+    for s in range(0, a.shape[0], chunk):
+        la, lb = a[s:s + chunk] @ w_ref.T, b[s:s + chunk] @ w.T
+        diff, scale = max(diff, (la - lb).abs().max().item()), max(scale, la.abs().max().item())
+    return diff, scale
+
+
+@torch.no_grad()
+def kl_to_reference(ref: LayerStack, ref_final: torch.Tensor, other: LayerStack, final: torch.Tensor,
+                    chunk: int = 256) -> float:
+    """Mean KL(reference ‖ other) of the next-token distributions over every position, nats."""
+    a, b = ref_final.reshape(-1, ref_final.shape[-1]), final.reshape(-1, final.shape[-1])
+    w_ref, w = ref.head()[1], other.head()[1]
+    total = 0.0
+    for s in range(0, a.shape[0], chunk):
+        lp, lq = F.log_softmax(a[s:s + chunk] @ w_ref.T, -1), F.log_softmax(b[s:s + chunk] @ w.T, -1)
+        total += (lp.exp() * (lp - lq)).sum().item()
+    return total / a.shape[0]
+
+
+__all__ = ["LayerStack", "source_stack", "moe_stack", "stream_hidden", "logits", "max_logit_diff", "kl_to_reference",
+           "MOE_CLASSES"]

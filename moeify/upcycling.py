@@ -1,0 +1,416 @@
+"""The upcycle stage: an MoE whose experts are copies of each dense FFN (moeify.copies), for MoE training.
+
+plan (config + shard headers only, every check up front) -> per layer: copies, router, symmetry breaking -> stream
+out (one decoder layer resident, as convert) -> check against the source -> commit. The check at the end of every run
+streams a few tokens through the source and the written MoE one decoder layer at a time (transformers' own classes,
+the MoE's real top-k routing, moeify.layerwise): the construction with unbroken copies must give the source's logits
+(else the run stops and writes nothing), and the KL to the source of the model as written (the price of the symmetry
+breaking) goes into report.json and the card.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .card import copy_licence, write as write_card
+from .checkpoint import DTYPE_NAMES, PARTIAL_SUFFIX, CheckpointReader, TensorInfo, check_links
+from .copies import (BREAKS, SHARED_GATE_FACTOR, UpcycleLayout, add_noise, copy_experts, copy_orders, drop_reinit,
+                     group_router, matrix_stats, random_router, routed_neurons, shared_expert, shared_neurons)
+from .errors import MoeifyError
+from .families import (TOKENIZER_FILES, SourceModel, attention_infos, check_source_tensors, ffn_tensor_names,
+                       load_source, target_config)
+from .router import SHARED_GATE_MIN
+from .version import __version__
+from .writer import (BackgroundWriter, ShardLayout, ShardWriter, check_free_space, check_output_path, check_written,
+                     commit_output, prepare_output, write_attention, write_head)
+
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
+FORMATS = ("auto", "mixtral", "qwen2_moe", "qwen3_moe")
+CHECK_RTOL = 1e-3  # max |logit difference| allowed, relative to max |source logit| (as `moeify verify`)
+CHECK_SEQ = 32  # tokens of each of the 2 random sequences of the exactness check
+READ_BACK_BYTES = 16 << 30  # outputs up to this size are checked from the files; larger ones from regenerated experts
+WRITE_AHEAD_BYTES = 512 << 20
+
+
+@dataclass
+class UpcycleSettings:
+    """What `moeify upcycle` is asked to build (flags of the same names in kebab-case)."""
+
+    copies: int = 8  # E: copies of each FFN
+    granularity: int = 1  # G: slices per copy (fine-grained experts); N = E·G experts
+    top_k: int = 2  # experts a token uses, a multiple of G
+    shared_width: int = 0  # neurons kept apart in an always-on shared expert (Qwen2-MoE)
+    format: str = "auto"
+    symmetry: str = "drop"  # how the copies are made to differ: none, drop, permute, noise (moeify.copies)
+    drop_share: float = 0.5  # Drop-Upcycling's r
+    noise_scale: float = 0.01  # noise std relative to each matrix's
+    router_std: float = 0.0  # 0: the source's initializer_range (0.02 when it has none)
+    dtype: str = "auto"
+    max_shard_bytes: int = 5_000_000_000
+    seed: int = 0
+    targets: tuple[str, ...] = ()  # engines that must run the output (moeify.engines)
+
+    def validate(self) -> None:
+        if self.symmetry not in BREAKS:
+            raise MoeifyError(f"--symmetry {self.symmetry!r} is not one of {', '.join(BREAKS)}")
+        if self.format not in FORMATS:
+            raise MoeifyError(f"--format {self.format!r} is not one of {', '.join(FORMATS)}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise MoeifyError(f"--dtype {self.dtype!r} is not one of auto, float32, bfloat16, float16")
+        if not 0 < self.drop_share <= 1:
+            raise MoeifyError(f"--drop-share {self.drop_share} must be in (0, 1]")
+        if not self.noise_scale > 0:
+            raise MoeifyError(f"--noise-scale {self.noise_scale} must be positive")
+        if self.router_std < 0:
+            raise MoeifyError(f"--router-std {self.router_std} must be positive (or 0: the source's initializer_range)")
+        if self.max_shard_bytes < 1:
+            raise MoeifyError(f"--max-shard-size {self.max_shard_bytes} must be positive")
+        from .engines import ENGINES
+
+        for t in self.targets:
+            if t not in ENGINES:
+                raise MoeifyError(f"--target {t!r} is not one of {', '.join(ENGINES)}")
+        if self.symmetry == "permute" and self.granularity == 1:
+            raise MoeifyError("--symmetry permute does nothing at --granularity 1 (a copy's neurons reordered are the "
+                              "same expert)", "use --symmetry drop or noise, or fine-grained copies (--granularity G)")
+
+
+@dataclass
+class UpcyclePlan:
+    src: SourceModel
+    settings: UpcycleSettings
+    layout: UpcycleLayout
+    fmt: str
+    out_dtype: torch.dtype
+    router_std: float
+    tensors: list[TensorInfo]
+    shards: ShardLayout
+    config_json: dict
+    total_params: int
+    active_params: int
+    reader: CheckpointReader = field(repr=False)
+
+    @property
+    def output_bytes(self) -> int:
+        return self.shards.total_bytes()
+
+    @property
+    def exact(self) -> bool:
+        """Whether the output as written computes the source (no symmetry breaking, or a permutation of slices)."""
+        return self.settings.symmetry in ("none", "permute")
+
+    @property
+    def engine_notes(self):
+        from .engines import engine_notes
+
+        s, lay = self.src, self.layout
+        return engine_notes(self.fmt, lay.top_k, lay.n_experts, lay.shared_width, lay.expert_width,
+                            self.src.tied, 0, s.head_dim, s.hidden, s.heads, s.qkv_bias, renormalised=True)
+
+    def summary(self) -> dict:
+        lay = self.layout
+        return {"source": str(self.src.path), "construction": "upcycle", "format": self.fmt,
+                "output_dtype": str(self.out_dtype).removeprefix("torch."), "settings": settings_dict(self.settings),
+                "copies": lay.copies, "granularity": lay.granularity, "experts": lay.n_experts, "top_k": lay.top_k,
+                "expert_width": lay.expert_width, "shared_width": lay.shared_width,
+                "ffn_params_ratio": lay.params_ratio, "ffn_flops_ratio": lay.compute_ratio,
+                "total_params": self.total_params, "active_params": self.active_params,
+                "output_bytes": self.output_bytes, "shards": len(self.shards.files), "exact": self.exact,
+                "router_std": self.router_std,
+                "engines": [{"engine": n.engine, "fails": n.fails, "what": n.what, "fix": n.fix}
+                            for n in self.engine_notes]}
+
+
+def settings_dict(s: UpcycleSettings) -> dict:
+    d = asdict(s)
+    d["targets"] = list(s.targets)
+    return d
+
+
+def resolve_format(src: SourceModel, requested: str, shared_width: int) -> str:
+    """Mixtral for a Llama / Mistral source (Qwen2-MoE with a shared expert), Qwen2-MoE for Qwen2 (its q/k/v biases),
+    Qwen3-MoE for Qwen3 (its q/k norms); a requested format that cannot hold the source is refused."""
+    if src.qk_norm:
+        if requested not in ("auto", "qwen3_moe"):
+            raise MoeifyError(f"--format {requested} cannot hold the q/k norms of {src.path} (qwen3)",
+                              "use --format qwen3_moe (or auto)")
+        if shared_width:
+            raise MoeifyError(f"--shared-width {shared_width}: {src.path} is a Qwen3 model and Qwen3-MoE, the one "
+                              "stock class with its q/k norms, has no shared expert", "leave out --shared-width")
+        return "qwen3_moe"
+    if requested == "qwen3_moe":
+        raise MoeifyError(f"--format qwen3_moe needs a Qwen3 source; {src.path} is {src.model_type} (its attention "
+                          "has no q/k norms)", "use --format mixtral or qwen2_moe (or auto)")
+    if src.qkv_bias:
+        if requested == "mixtral":
+            raise MoeifyError(f"--format mixtral cannot hold the q/k/v biases of {src.path} ({src.model_type})",
+                              "use --format qwen2_moe (or auto)")
+        return "qwen2_moe"
+    if requested == "mixtral" and shared_width:
+        raise MoeifyError(f"--format mixtral has no shared expert (--shared-width {shared_width})",
+                          "use --format qwen2_moe (or auto), or leave out --shared-width")
+    if requested == "auto":
+        return "qwen2_moe" if shared_width else "mixtral"
+    return requested
+
+
+def plan_upcycle(src_path: str | Path, settings: UpcycleSettings, *, allow_pickle: bool = False,
+                 force: bool = False) -> UpcyclePlan:
+    """Read config and shard headers only; check everything before heavy work."""
+    settings.validate()
+    src = load_source(src_path)
+    check_links(src.path, ("config.json", *TOKENIZER_FILES))
+    reader = CheckpointReader(src.path, allow_pickle=allow_pickle)
+    check_source_tensors(src, reader.tensors)
+    fmt = resolve_format(src, settings.format, settings.shared_width)
+    layout = UpcycleLayout(src.d_ff, settings.copies, settings.granularity, settings.top_k, settings.shared_width)
+    layout.check()
+    out_dtype = (DTYPE_NAMES[settings.dtype] if settings.dtype != "auto"
+                 else reader.tensors["model.embed_tokens.weight"].dtype)
+    tensors = _output_tensors(src, reader, fmt, layout, out_dtype)
+    shards = ShardLayout.plan(tensors, settings.max_shard_bytes)
+    config_json = target_config(src, fmt, experts=layout.n_experts, top_k=layout.top_k,
+                                expert_width=layout.expert_width, shared_width=layout.shared_width, dense_layers=(),
+                                dtype=out_dtype, tied=src.tied, renormalise=True)
+    total = sum(math.prod(t.shape) for t in tensors)
+    ffn_dense = 3 * src.hidden * src.d_ff
+    per_layer_active = ffn_dense * layout.compute_ratio
+    per_layer_all = ffn_dense * layout.params_ratio
+    active = total - src.n_layers * round(per_layer_all - per_layer_active)
+    std = settings.router_std or float(src.raw.get("initializer_range") or 0.02)
+    plan = UpcyclePlan(src, settings, layout, fmt, out_dtype, std, tensors, shards, config_json, total, active, reader)
+    from .engines import refuse_blocked
+
+    refuse_blocked(plan.engine_notes, settings.targets, force)
+    return plan
+
+
+def _output_tensors(src: SourceModel, reader: CheckpointReader, fmt: str, layout: UpcycleLayout,
+                    dtype: torch.dtype) -> list[TensorInfo]:
+    h, w, n = src.hidden, layout.expert_width, layout.n_experts
+    out = [TensorInfo("model.embed_tokens.weight", dtype, (src.vocab, h))]
+    for i in range(src.n_layers):
+        out += attention_infos(src, reader.tensors, fmt, i, dtype)
+        for name in ffn_tensor_names(fmt, i, n, dense=False, shared=layout.shared_width > 0):
+            if name.endswith("shared_expert_gate.weight"):
+                shape = (1, h)
+            elif name.endswith(".gate.weight"):
+                shape = (n, h)
+            else:
+                width = layout.shared_width if ".shared_expert." in name else w
+                shape = (h, width) if name.endswith(("w2.weight", "down_proj.weight")) else (width, h)
+            out.append(TensorInfo(name, dtype, shape))
+    out.append(TensorInfo("model.norm.weight", dtype, (h,)))
+    if not src.tied:
+        out.append(TensorInfo("lm_head.weight", dtype, (src.vocab, h)))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ one layer
+
+
+@dataclass
+class LayerExperts:
+    """One layer's upcycled FFN: routed experts (gate, up, down), router rows, the shared expert and what was done."""
+
+    experts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    router: torch.Tensor  # (N, d_model)
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    report: dict
+
+
+def layer_experts(plan: UpcyclePlan, i: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                  broken: bool = True) -> LayerExperts:
+    """Layer i's experts from its dense gate/up/down, deterministic in (seed, i): broken=False gives the copies
+    before symmetry breaking (what the exactness check runs)."""
+    s, lay = plan.settings, plan.layout
+    gen = torch.Generator().manual_seed(s.seed * 1_000_003 + i)
+    router = group_router(random_router(lay.copies, plan.src.hidden, plan.router_std, gen), lay.granularity)
+    shared_idx = shared_neurons(gate, up, down, lay.shared_width)
+    orders = copy_orders(routed_neurons(lay.d_ff, shared_idx), lay.copies, s.symmetry == "permute", gen)
+    experts = copy_experts(gate, up, down, orders, lay, lay.granularity)
+    report: dict = {"layer": i, "symmetry": s.symmetry}
+    if broken and s.symmetry == "drop":
+        g = lay.granularity
+        stats = (matrix_stats(gate), matrix_stats(up), tuple(v * g for v in matrix_stats(down)))
+        drawn = []
+        for e, ex in enumerate(experts):
+            experts[e], n = drop_reinit(ex, s.drop_share, stats, gen)
+            drawn.append(n)
+        report["reinitialised_neurons"] = drawn
+    elif broken and s.symmetry == "noise":
+        stds = (matrix_stats(gate)[1], matrix_stats(up)[1], matrix_stats(down)[1] * lay.granularity)
+        experts = [add_noise(ex, s.noise_scale, stds, gen) for ex in experts]
+    shared = shared_expert(gate, up, down, shared_idx, SHARED_GATE_FACTOR) if lay.shared_width else None
+    if lay.shared_width:
+        report["shared_neurons"] = shared_idx.tolist()
+    return LayerExperts(experts, router, shared, report)
+
+
+def _ffn_tensors(plan: UpcyclePlan, i: int, le: LayerExperts) -> dict[str, torch.Tensor]:
+    dtype, h = plan.out_dtype, plan.src.hidden
+    names = iter(ffn_tensor_names(plan.fmt, i, plan.layout.n_experts, dense=False, shared=plan.layout.shared_width > 0))
+    out = {next(names): le.router.to(dtype)}
+    for g, u, d in le.experts:
+        out[next(names)], out[next(names)], out[next(names)] = g.to(dtype), u.to(dtype), d.to(dtype)
+    if plan.fmt == "qwen2_moe":
+        if le.shared is None:
+            empty = torch.zeros(0, h, dtype=dtype)
+            shared = (empty, empty, torch.zeros(h, 0, dtype=dtype))
+        else:
+            shared = tuple(t.to(dtype) for t in le.shared)
+        for t in shared:
+            out[next(names)] = t
+        out[next(names)] = torch.full((1, h), SHARED_GATE_MIN, dtype=dtype)  # sigmoid ~ 1/2; never 0 (llama.cpp)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ running
+
+
+def check_windows(src: SourceModel, text: str, tokens: int, seq: int = 64) -> torch.Tensor:
+    """(n, seq) windows of the first `tokens` tokens of `text` in the source's own tokenizer, for the KL of the
+    model as written (before any work: a missing tokenizer or too short a text fails here)."""
+    from .calibrate import source_tokenizer
+    from .text import encode_text
+
+    ids = encode_text(source_tokenizer(src.path), text, add_special_tokens=False)[:tokens]
+    if len(ids) < seq:
+        raise MoeifyError(f"--check-text has {len(ids)} tokens, fewer than one window of {seq}",
+                          "give a longer text (or leave out --check-text: the bundled sample)")
+    return torch.tensor(ids[: len(ids) // seq * seq]).view(-1, seq)
+
+
+def run_upcycle(plan: UpcyclePlan, out: str | Path, *, overwrite: bool = False, progress: Progress | None = None,
+                check_ids: torch.Tensor | None = None) -> dict:
+    """Write OUT atomically and check it against the source; returns the report (also OUT/report.json).
+    check_ids: (n, seq) token windows the model as written is scored on (KL to the source); None: random tokens."""
+    out = Path(out)
+    src = plan.src
+    check_output_path(out, overwrite, src.path)
+    check_free_space(out, plan.output_bytes, overwrite)
+    tmp = prepare_output(out, overwrite, src.path)
+    t0 = time.time()
+    writer = None
+    try:
+        writer = BackgroundWriter(ShardWriter(tmp, plan.shards), max_pending=WRITE_AHEAD_BYTES)
+        layers = _write_tensors(plan, writer, progress)
+        writer.finish()
+        seconds = time.time() - t0
+        check_written(tmp, plan.tensors)
+        (tmp / "config.json").write_text(json.dumps(plan.config_json, indent=2, sort_keys=True) + "\n")
+        check = check_output(plan, tmp, progress, check_ids)
+        report = _write_metadata(plan, tmp, layers, seconds, check)
+        commit_output(tmp, out)
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        plan.reader.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    plan.reader.close()
+    return report
+
+
+def _write_tensors(plan: UpcyclePlan, writer, progress: Progress | None) -> list[dict]:
+    src, dtype, reader = plan.src, plan.out_dtype, plan.reader
+    reader.prefetch(reader.layer_tensors(0))
+    writer.write("model.embed_tokens.weight", reader.get("model.embed_tokens.weight").to(dtype))
+    layers = []
+    for i in range(src.n_layers):
+        p = f"model.layers.{i}."
+        if i + 1 < src.n_layers:
+            reader.prefetch(reader.layer_tensors(i + 1))
+        write_attention(writer, reader, src, plan.fmt, i, dtype)
+        gate, up, down = (reader.get(p + f"mlp.{n}_proj.weight") for n in ("gate", "up", "down"))
+        le = layer_experts(plan, i, gate, up, down)
+        for name, t in _ffn_tensors(plan, i, le).items():
+            writer.write(name, t)
+        layers.append(le.report)
+        del gate, up, down, le
+        if progress:
+            progress("writing", i + 1, src.n_layers)
+    write_head(writer, reader, src, src.tied, dtype)
+    return layers
+
+
+def check_output(plan: UpcyclePlan, out_dir: Path, progress: Progress | None = None,
+                 text_ids: torch.Tensor | None = None) -> dict:
+    """Stream the source and the written MoE one decoder layer at a time (moeify.layerwise): the copies before any
+    symmetry breaking must give the source's logits on random tokens (RuntimeError otherwise); the model as written
+    is scored by its KL to the source on `text_ids` (when given) or on the random tokens."""
+    from .layerwise import kl_to_reference, max_logit_diff, moe_stack, source_stack, stream_hidden
+
+    src = plan.src
+    src_reader = CheckpointReader(src.path)
+    out_reader = CheckpointReader(out_dir)
+    from_files = plan.output_bytes <= READ_BACK_BYTES
+
+    def regenerate(broken: bool):
+        def experts(i: int):
+            p = f"model.layers.{i}."
+            g, u, d = (src_reader.get(p + f"mlp.{n}_proj.weight") for n in ("gate", "up", "down"))
+            return [tuple(t.to(plan.out_dtype) for t in ex) for ex in layer_experts(plan, i, g, u, d, broken).experts]
+        return experts
+
+    dense = source_stack(src, src_reader)
+    written = moe_stack(out_dir, out_reader, None if from_files else regenerate(True))
+    exact = written if plan.exact else moe_stack(out_dir, out_reader, regenerate(False))
+    ids = torch.randint(0, src.vocab, (2, CHECK_SEQ), generator=torch.Generator().manual_seed(plan.settings.seed))
+    stacks = [dense, exact]
+    finals = stream_hidden(stacks, ids, progress)
+    diff, scale = max_logit_diff(dense, finals[0], exact, finals[1])
+    result = {"max_logit_diff": diff, "logit_scale": scale, "tokens": int(ids.numel()),
+              "experts_read_back": from_files,
+              "exact_model": "as written" if plan.exact else "the copies before symmetry breaking"}
+    tol = CHECK_RTOL * max(scale, 1e-6)
+    if not math.isfinite(diff) or diff > tol:
+        raise RuntimeError(f"upcycle check failed: the copies' logits differ from {src.path}'s by {diff:.3g} (allowed "
+                           f"{tol:.3g}); nothing was written")
+    if text_ids is not None:
+        ids = text_ids
+        result.update(kl_text_tokens=int(ids.numel()))
+    if text_ids is not None or not plan.exact:
+        finals = stream_hidden([dense, written], ids, progress)
+        result["kl_to_source"] = kl_to_reference(dense, finals[0], written, finals[1])
+    else:
+        result["kl_to_source"] = 0.0
+    src_reader.close()
+    out_reader.close()
+    return result
+
+
+def _write_metadata(plan: UpcyclePlan, tmp: Path, layers: list[dict], seconds: float, check: dict) -> dict:
+    for name in TOKENIZER_FILES:
+        f = plan.src.path / name
+        if f.is_file():
+            shutil.copyfile(f, tmp / name)
+    summary = plan.summary()
+    summary.pop("engines")
+    report = {"moeify_version": __version__, **summary, "seconds": round(seconds, 3), "check": check,
+              "layers": layers}
+    (tmp / "report.json").write_text(json.dumps(report) + "\n")
+    (tmp / "moeify.toml").write_text(recipe_toml(plan))
+    copy_licence(plan.src.path, tmp)
+    write_card(tmp, name=tmp.name.removesuffix(PARTIAL_SUFFIX))
+    return report
+
+
+def recipe_toml(plan: UpcyclePlan) -> str:
+    """The settings as TOML (`moeify upcycle SRC OUT --recipe moeify.toml` repeats the construction)."""
+    lines = [f"# moeify {__version__}: upcycle of {plan.src.path.name}", "construction = \"upcycle\""]
+    for key, value in settings_dict(plan.settings).items():
+        lines.append(f"{key} = {json.dumps(value)}")
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["UpcycleSettings", "UpcyclePlan", "plan_upcycle", "run_upcycle", "check_output", "layer_experts",
+           "resolve_format", "recipe_toml"]
