@@ -28,7 +28,7 @@ demo: $(STAMP)
 	$(BIN)/moeify eval $(MODEL) $(OUT)-weights $(OUT) --seq-len 256 --max-tokens $(EVAL_TOKENS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --dist loadfile
 
 clean:
 	rm -rf out .pytest_cache

@@ -241,5 +241,44 @@ def upcycle(src: str | Path, out: str | Path, *, copies: int = 8, granularity: i
                             check_tokens=check_tokens)
 
 
+def merge(sources: Sequence[str | Path], out: str | Path, *, base: str | Path | None = None, granularity: int = 1,
+          top_k: int | None = None, attention: str = "base", router_text: Sequence[str | Path] | None = None,
+          router_tokens: int = 2048, overwrite: bool = False, progress: Progress | None = None,
+          check_text: Sequence[str | Path] | None = None, check_tokens: int = 512, allow_pickle: bool = False,
+          force: bool = False, **settings) -> dict:
+    """One MoE from several fine-tunes of one base (folders or Hub ids, same shapes and tokenizer): each source's FFN
+    one expert (or `granularity` slices), top_k of them a token (default: 2 sources' worth); attention, norms and
+    embeddings the base's (default: the first source) or the sources' average (attention="average"). router_text:
+    one text file per source, in order: each layer's router rows from the base's router input on that text (else
+    random rows). settings: format, dtype, seed, symmetry (default none), targets, max_shard_size, router_std.
+    Returns report.json."""
+    from .calibrate import read_texts
+    from .merging import plan_merge, router_rows
+    from .upcycling import UpcycleSettings, check_windows
+
+    if router_text is not None and len(router_text) != len(sources):
+        raise MoeifyError(f"--router-text names {len(router_text)} file(s) for {len(sources)} sources",
+                          "give one text per source, in the order of the sources")
+    settings.setdefault("symmetry", "none")
+    if top_k is None:
+        top_k = granularity * min(2, len(sources))
+    given = {k: v for k, v in settings.items() if v is not None}
+    if "max_shard_size" in given:
+        from .config import parse_size
+
+        given["max_shard_bytes"] = parse_size(given.pop("max_shard_size"))
+    plan = plan_merge(resolve(base if base is not None else sources[0]), [resolve(s) for s in sources],
+                      UpcycleSettings(granularity=granularity, top_k=top_k, **given), attention=attention,
+                      allow_pickle=allow_pickle, force=force)
+    from .writer import check_output_path
+
+    check_output_path(Path(out), overwrite, plan.src.path)
+    if router_text is not None:
+        ids = [check_windows(plan.src, read_texts([f]), router_tokens) for f in router_text]
+        plan.router_rows = router_rows(plan, ids, progress)
+    return run_upcycle_plan(plan, out, overwrite=overwrite, progress=progress, check_text=check_text,
+                            check_tokens=check_tokens)
+
+
 __all__ = ["Conversion", "convert", "tune", "evaluate", "plan", "prepare_conversion", "run_prepared", "serve_layouts",
-           "upcycle", "prepare_upcycle", "run_upcycle_plan", "MoeifyError"]
+           "upcycle", "prepare_upcycle", "run_upcycle_plan", "merge", "MoeifyError"]

@@ -56,7 +56,7 @@ def render(out: Path, name: str | None = None) -> str:
 
     out = Path(out)
     report = json.loads((out / "report.json").read_text())
-    if report.get("construction") == "upcycle":
+    if report.get("construction") in ("upcycle", "merge"):
         return _render_upcycle(out, report, name)
     config = json.loads((out / "config.json").read_text())
     toml_text = (out / "moeify.toml").read_text()
@@ -153,10 +153,20 @@ def _render_upcycle(out: Path, report: dict, name: str | None) -> str:
               "noise": f"Each copy's weights plus Gaussian noise of {s.get('noise_scale', 0):g} × each matrix's "
                        "standard deviation."}[symmetry]
     kl = check.get("kl_to_source")
-    lines = [f"# {title}", "",
-             f"A Mixture-of-Experts model upcycled from {f'[{base}](https://huggingface.co/{base})' if origin else f'`{base}`'} "
-             f"by moeify {report.get('moeify_version', '')}: every FFN's neurons made into {copies} {kind}, with a "
-             f"router per layer, as a starting point for MoE training. {broken}", "",
+    named = f"[{base}](https://huggingface.co/{base})" if origin else f"`{base}`"
+    if report.get("construction") == "merge":
+        names = ", ".join(f"`{Path(p).name}`" for p in report.get("sources", []))
+        what = (f"A Mixture-of-Experts model merged by moeify {report.get('moeify_version', '')} from {copies} "
+                f"fine-tunes of {named} ({names}): each one's FFN an expert"
+                f"{'' if g == 1 else f' of {g} slices'}, attention, norms and embeddings "
+                f"{'the base' if report.get('attention') == 'base' else 'their average'}'s, each layer's router "
+                + ("from each source's text (the mean router input, centred)." if report.get("router") == "text"
+                   else "random."))
+    else:
+        what = (f"A Mixture-of-Experts model upcycled from {named} by moeify {report.get('moeify_version', '')}: "
+                f"every FFN's neurons made into {copies} {kind}, with a router per layer, as a starting point for MoE "
+                f"training. {broken}")
+    lines = [f"# {title}", "", what, "",
              "## Layout", "", "| | |", "|---|---|",
              f"| format | `{fmt}` (transformers' `{MODEL_CLASSES.get(fmt, fmt)}`, no remote code; top-k weights "
              "renormalised) |",
@@ -170,15 +180,20 @@ def _render_upcycle(out: Path, report: dict, name: str | None) -> str:
               f"{_millions(report.get('active_params', 0))} active per token |",
               f"| dtype | {report.get('output_dtype', '')} |", "",
               "## Checked at the end of the upcycle", "",
-              f"- Exactness: {check.get('exact_model', 'the model')}, routed by its own top-k, against the dense "
-              f"model on {check.get('tokens', 0)} random tokens: max |logit difference| "
-              f"{check.get('max_logit_diff', float('nan')):.3g} (max |logit| {check.get('logit_scale', 0):.3g}).",
+              (f"- Exactness: {check['exact_model']}, routed by its own top-k, against the dense model on "
+               f"{check.get('tokens', 0)} random tokens: max |logit difference| {check['max_logit_diff']:.3g} (max "
+               f"|logit| {check.get('logit_scale', 0):.3g})." if check.get("exact_model") else
+               "- Exactness: no setting of this merge computes the base (its attention is the sources' average)."),
               f"- As written: KL divergence to the dense model's next-token distributions {kl:.4g} nats"
               + (f" on {check.get('kl_text_tokens'):,} tokens of text." if check.get("kl_text_tokens") else
                  " on the random tokens.") if kl is not None else "- KL to the dense model: not measured.",
               "", "## Training it", "", UPCYCLE_TRAINING, "",
+              f"In transformers, load it with `output_router_logits=True` and the loss of `model(ids, labels=ids)` "
+              f"includes Mixtral's load-balancing loss (α · N · Σ fᵢ Pᵢ, α = router_aux_loss_coef = "
+              f"{s.get('aux_loss_coef', 0.001):g} in config.json):", "",
               "```python", "from transformers import AutoModelForCausalLM", "",
-              f'model = AutoModelForCausalLM.from_pretrained("{title}")', "```", ""]
+              f'model = AutoModelForCausalLM.from_pretrained("{title}", output_router_logits=True)',
+              "loss = model(input_ids, labels=input_ids).loss   # cross-entropy + α × load-balancing loss", "```", ""]
     lines += _evaluation_lines(out)
     lines += ["", "## Recipe", "", "The settings that made it (`moeify.toml`):", "", "```toml",
               (out / "moeify.toml").read_text().rstrip(), "```", ""]

@@ -550,9 +550,10 @@ def verify_cmd(
     tables.print(f"[bold green]OK[/] {escape(str(out))}", highlight=False, soft_wrap=True)
 
 
-from .cli_upcycle import upcycle_cmd  # noqa: E402 (after the commands above: the order of --help)
+from .cli_upcycle import merge_cmd, upcycle_cmd  # noqa: E402 (after the commands above: the order of --help)
 
 app.command("upcycle")(upcycle_cmd)
+app.command("merge")(merge_cmd)
 
 
 def _on_sigterm(signum, frame) -> None:

@@ -34,6 +34,8 @@ def _print_plan(out_console, plan, out: Path) -> None:
     t.add_row("parameters", f"{_millions(plan.total_params)} total, {_millions(plan.active_params)} active")
     t.add_row("output", f"{plan.output_bytes / 1e9:.2f} GB, {len(plan.shards.files)} shard(s), "
               f"{str(plan.out_dtype).removeprefix('torch.')}")
+    t.add_row("to train it", f"~{plan.summary()['training_state_bytes'] / 1e9:.1f} GB of AdamW state "
+              "(16 B a parameter, mixed precision), before activations")
     sym = {"none": "none: identical copies, exact",
            "permute": "permute: slices of each copy shuffled, exact",
            "drop": f"drop: {s.drop_share:.0%} of each expert's neurons re-initialised, not exact",
@@ -66,6 +68,9 @@ def upcycle_cmd(
     noise_scale: float = typer.Option(0.01, help="With --symmetry noise: noise std relative to each matrix's."),
     router_std: float = typer.Option(0.0, help="Std of the random router rows [default: the source's "
                                      "initializer_range, or 0.02]."),
+    aux_loss_coef: float = typer.Option(0.01, help="config.json's router_aux_loss_coef: the weight of the "
+                                        "load-balancing loss transformers adds when the model is trained with "
+                                        "output_router_logits=True (the literature: 1e-2 to 1e-3)."),
     format: str = typer.Option("auto", "--format", help="mixtral | qwen2_moe | qwen3_moe | auto (Mixtral for "
                                "Llama/Mistral, Qwen2-MoE for Qwen2 or with --shared-width, Qwen3-MoE for Qwen3)."),
     dtype: str = typer.Option("auto", help="Output dtype: auto (the source's) | bfloat16 | float16 | float32."),
@@ -100,7 +105,8 @@ def upcycle_cmd(
     try:
         plan = prepare_upcycle(str(src), copies=copies, granularity=granularity, top_k=top_k,
                                shared_width=shared_width, symmetry=symmetry, drop_share=drop_share,
-                               noise_scale=noise_scale, router_std=router_std, format=format, dtype=dtype,
+                               noise_scale=noise_scale, router_std=router_std, aux_loss_coef=aux_loss_coef,
+                               format=format, dtype=dtype,
                                max_shard_size=max_shard_size, seed=seed,
                                targets=None if target is None else ",".join(target), allow_pickle=allow_pickle,
                                force=force)
@@ -132,4 +138,66 @@ def upcycle_cmd(
         raise typer.Exit(130)
 
 
-__all__ = ["upcycle_cmd"]
+def merge_cmd(
+    out: Path = typer.Argument(..., help="Output directory (must not exist unless --overwrite)."),
+    sources: list[Path] = typer.Argument(..., help="Two or more fine-tunes of one base (directories or Hub ids; the "
+                                         "same family, shapes and tokenizer): each one's FFN becomes an expert."),
+    base: Optional[Path] = typer.Option(None, help="Where attention, norms and embeddings come from (with "
+                                        "--attention base) and the router's input is computed [default: the first "
+                                        "source]."),
+    granularity: int = typer.Option(1, "--granularity", "-g", help="Slices per source's FFN (fine-grained experts)."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", "-k", help="Experts a token uses, a multiple of G "
+                                        "[default: 2 sources' worth]."),
+    attention: str = typer.Option("base", help="base (the base's attention, norms, embeddings) | average (the "
+                                  "sources' mean)."),
+    router_text: Optional[list[Path]] = typer.Option(None, "--router-text", help="One text file per source, in "
+                                                     "order: each layer's router row for a source is its text's mean "
+                                                     "router input (post-attention-norm hidden states, every token, "
+                                                     "through the base), centred [default: random rows]."),
+    router_tokens: int = typer.Option(2048, min=64, help="Tokens of each --router-text used."),
+    format: str = typer.Option("auto", "--format", help="mixtral | qwen2_moe | qwen3_moe | auto."),
+    dtype: str = typer.Option("auto", help="Output dtype: auto (the base's) | bfloat16 | float16 | float32."),
+    max_shard_size: Optional[str] = typer.Option(None, help="Max bytes per output shard [default: 5GB]."),
+    seed: int = typer.Option(0, help="Seed of random router rows."),
+    check_text: Optional[list[Path]] = typer.Option(None, "--check-text", help="Text for the KL of the merge to the "
+                                                    "base [default: the bundled sample]."),
+    allow_pickle: bool = typer.Option(False, help="Read pytorch_model*.bin weights (torch.load(weights_only=True))."),
+    overwrite: bool = typer.Option(False, help="Replace OUT if it exists."),
+    json_dest: Optional[str] = json_option("The report (OUT/report.json)."),
+) -> None:
+    """Merge several fine-tunes of one base into one MoE (Branch-Train-MiX, "clown car" merges): each source's FFN an
+    expert, a router per layer from each source's text or random, attention from the base or averaged. Then train
+    the routers (and experts) on mixed text.
+
+    \b
+    Examples:
+      moeify merge out/moe path/to/base-code path/to/base-math --router-text code.txt --router-text math.txt
+      moeify merge out/moe ft-a ft-b ft-c ft-d --base path/to/base --top-k 2 --attention average
+    """
+    from .api import merge
+
+    try:
+        with progress_bars() as bar:
+            report = merge([str(s) for s in sources], out, base=None if base is None else str(base),
+                           granularity=granularity, top_k=top_k, attention=attention, router_text=router_text,
+                           router_tokens=router_tokens, format=format, dtype=dtype, max_shard_size=max_shard_size,
+                           seed=seed, check_text=check_text, allow_pickle=allow_pickle, overwrite=overwrite,
+                           progress=stage_callback(bar))
+        shown = tables(json_dest)
+        c = report["check"]
+        if c.get("exact_model"):
+            shown.print(f"[green]checked[/] {escape(c['exact_model'])} against the base: max |logit difference| "
+                        f"{c['max_logit_diff']:.3g} (max |logit| {c['logit_scale']:.3g})", highlight=False)
+        shown.print(f"KL of the merge to the base {c['kl_to_source']:.4g} nats; {report['experts']} experts of "
+                    f"{report['expert_width']} neurons, top-{report['top_k']}", highlight=False)
+        shown.print(f"[bold green]wrote[/] {escape(str(out))} in {report['seconds']:.1f} s", highlight=False)
+        if json_dest:
+            write_json(report, json_dest)
+    except MoeifyError as exc:
+        fail(exc)
+    except KeyboardInterrupt:
+        console.print("[bold red]interrupted[/]: the partial output was removed; nothing was left behind")
+        raise typer.Exit(130)
+
+
+__all__ = ["upcycle_cmd", "merge_cmd"]

@@ -40,6 +40,11 @@ class LayerStack:
     fmt: str | None = None  # the MoE format; None for a dense source
     n_experts: int = 0
     expert_override: ExpertOverride | None = field(default=None, repr=False)  # layer -> [(gate, up, down)] or None
+    rounded_to: torch.dtype | None = None  # every weight rounded through this dtype first (a source held to its output)
+
+    def get(self, name: str) -> torch.Tensor:
+        t = self.reader.get(name)
+        return (t.to(self.rounded_to) if self.rounded_to is not None else t).float()
 
     @property
     def n_layers(self) -> int:
@@ -55,7 +60,7 @@ class LayerStack:
     def _tensor(self, i: int, key: str) -> torch.Tensor:
         p = f"model.layers.{i}."
         if self.fmt is None or not key.startswith("mlp."):
-            return self.reader.get(p + key)
+            return self.get(p + key)
         block = p + ("block_sparse_moe." if self.fmt == "mixtral" else "mlp.")
         sub = key.removeprefix("mlp.")
         if sub in ("experts.gate_up_proj", "experts.down_proj"):
@@ -72,19 +77,20 @@ class LayerStack:
         return [tuple(self.reader.get(f"{block}experts.{e}.{n}.weight") for n in names) for e in range(self.n_experts)]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.reader.get("model.embed_tokens.weight").float())
+        return F.embedding(ids, self.get("model.embed_tokens.weight"))
 
     def head(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(final norm weight, output matrix), float32."""
         name = "model.embed_tokens.weight" if self.tied or "lm_head.weight" not in self.reader.tensors else "lm_head.weight"
-        return self.reader.get("model.norm.weight").float(), self.reader.get(name).float()
+        return self.get("model.norm.weight"), self.get(name)
 
 
-def source_stack(src: SourceModel, reader: CheckpointReader) -> LayerStack:
+def source_stack(src: SourceModel, reader: CheckpointReader, rounded_to: torch.dtype | None = None) -> LayerStack:
+    """The dense source; rounded_to: its weights rounded through the output's dtype, as the output holds them."""
     cls, layer_cls, rotary = family_classes(src.model_type)
     config = cls.from_dict({k: v for k, v in src.raw.items() if k != "auto_map"})
     config._attn_implementation = "sdpa"
-    return LayerStack(config, layer_cls, rotary, reader, src.tied)
+    return LayerStack(config, layer_cls, rotary, reader, src.tied, rounded_to=rounded_to)
 
 
 def moe_stack(out: Path, reader: CheckpointReader, expert_override: ExpertOverride | None = None) -> LayerStack:

@@ -14,6 +14,7 @@ import json
 import math
 import shutil
 import time
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -38,6 +39,9 @@ CHECK_RTOL = 1e-3  # max |logit difference| allowed, relative to max |source log
 CHECK_SEQ = 32  # tokens of each of the 2 random sequences of the exactness check
 READ_BACK_BYTES = 16 << 30  # outputs up to this size are checked from the files; larger ones from regenerated experts
 WRITE_AHEAD_BYTES = 512 << 20
+# Training the output with AdamW in mixed precision holds, per parameter: bf16 weights and gradients (2 + 2), float32
+# master weights and two moments (4 + 4 + 4): 16 bytes, before activations (the usual estimate, e.g. ZeRO's paper).
+TRAIN_BYTES_PER_PARAM = 16
 
 
 @dataclass
@@ -53,6 +57,7 @@ class UpcycleSettings:
     drop_share: float = 0.5  # Drop-Upcycling's r
     noise_scale: float = 0.01  # noise std relative to each matrix's
     router_std: float = 0.0  # 0: the source's initializer_range (0.02 when it has none)
+    aux_loss_coef: float = 0.01  # config.json router_aux_loss_coef: the load-balancing loss transformers adds in training
     dtype: str = "auto"
     max_shard_bytes: int = 5_000_000_000
     seed: int = 0
@@ -69,6 +74,8 @@ class UpcycleSettings:
             raise MoeifyError(f"--drop-share {self.drop_share} must be in (0, 1]")
         if not self.noise_scale > 0:
             raise MoeifyError(f"--noise-scale {self.noise_scale} must be positive")
+        if self.aux_loss_coef < 0:
+            raise MoeifyError(f"--aux-loss-coef {self.aux_loss_coef} must be at least 0")
         if self.router_std < 0:
             raise MoeifyError(f"--router-std {self.router_std} must be positive (or 0: the source's initializer_range)")
         if self.max_shard_bytes < 1:
@@ -97,6 +104,12 @@ class UpcyclePlan:
     total_params: int
     active_params: int
     reader: CheckpointReader = field(repr=False)
+    # a merge (moeify.merging): copy e is the FFN of sources[e]; attention, norms and embeddings the base's (src) or
+    # the sources' average; router rows per layer (E, d_model) from each source's text, or random when None
+    sources: list[SourceModel] = field(default_factory=list)
+    readers: list[CheckpointReader] = field(default_factory=list, repr=False)
+    attention: str = "base"
+    router_rows: dict[int, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def output_bytes(self) -> int:
@@ -105,7 +118,13 @@ class UpcyclePlan:
     @property
     def exact(self) -> bool:
         """Whether the output as written computes the source (no symmetry breaking, or a permutation of slices)."""
-        return self.settings.symmetry in ("none", "permute")
+        return self.settings.symmetry in ("none", "permute") and not self.sources
+
+    def ffns(self, i: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Layer i's dense (gate, up, down) of every copy: the source's for an upcycle, each source's for a merge."""
+        readers = self.readers or [self.reader]
+        ffns = [tuple(r.get(f"model.layers.{i}.mlp.{n}_proj.weight") for n in ("gate", "up", "down")) for r in readers]
+        return ffns if self.sources else ffns * self.layout.copies
 
     @property
     def engine_notes(self):
@@ -117,13 +136,17 @@ class UpcyclePlan:
 
     def summary(self) -> dict:
         lay = self.layout
-        return {"source": str(self.src.path), "construction": "upcycle", "format": self.fmt,
+        merge = {"sources": [str(m.path) for m in self.sources], "attention": self.attention,
+                 "router": "text" if self.router_rows is not None else "random"} if self.sources else {}
+        return {"source": str(self.src.path), "construction": "merge" if self.sources else "upcycle", **merge,
+                "format": self.fmt,
                 "output_dtype": str(self.out_dtype).removeprefix("torch."), "settings": settings_dict(self.settings),
                 "copies": lay.copies, "granularity": lay.granularity, "experts": lay.n_experts, "top_k": lay.top_k,
                 "expert_width": lay.expert_width, "shared_width": lay.shared_width,
                 "ffn_params_ratio": lay.params_ratio, "ffn_flops_ratio": lay.compute_ratio,
                 "total_params": self.total_params, "active_params": self.active_params,
                 "output_bytes": self.output_bytes, "shards": len(self.shards.files), "exact": self.exact,
+                "training_state_bytes": TRAIN_BYTES_PER_PARAM * self.total_params,
                 "router_std": self.router_std,
                 "engines": [{"engine": n.engine, "fails": n.fails, "what": n.what, "fix": n.fix}
                             for n in self.engine_notes]}
@@ -180,6 +203,7 @@ def plan_upcycle(src_path: str | Path, settings: UpcycleSettings, *, allow_pickl
     config_json = target_config(src, fmt, experts=layout.n_experts, top_k=layout.top_k,
                                 expert_width=layout.expert_width, shared_width=layout.shared_width, dense_layers=(),
                                 dtype=out_dtype, tied=src.tied, renormalise=True)
+    config_json["router_aux_loss_coef"] = settings.aux_loss_coef  # with output_router_logits=True in training
     total = sum(math.prod(t.shape) for t in tensors)
     ffn_dense = 3 * src.hidden * src.d_ff
     per_layer_active = ffn_dense * layout.compute_ratio
@@ -227,16 +251,24 @@ class LayerExperts:
     report: dict
 
 
-def layer_experts(plan: UpcyclePlan, i: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+def layer_experts(plan: UpcyclePlan, i: int, ffns: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                   broken: bool = True) -> LayerExperts:
-    """Layer i's experts from its dense gate/up/down, deterministic in (seed, i): broken=False gives the copies
-    before symmetry breaking (what the exactness check runs)."""
+    """Layer i's experts from the dense gate/up/down of each copy (plan.ffns(i): one FFN E times, or a merge's one
+    per source), deterministic in (seed, i): broken=False gives the copies before symmetry breaking (what the
+    exactness check runs)."""
     s, lay = plan.settings, plan.layout
     gen = torch.Generator().manual_seed(s.seed * 1_000_003 + i)
-    router = group_router(random_router(lay.copies, plan.src.hidden, plan.router_std, gen), lay.granularity)
+    rows = random_router(lay.copies, plan.src.hidden, plan.router_std, gen)
+    if plan.router_rows is not None:
+        rows = plan.router_rows[i]
+    router = group_router(rows, lay.granularity)
+    gate, up, down = ffns[0]
     shared_idx = shared_neurons(gate, up, down, lay.shared_width)
     orders = copy_orders(routed_neurons(lay.d_ff, shared_idx), lay.copies, s.symmetry == "permute", gen)
-    experts = copy_experts(gate, up, down, orders, lay, lay.granularity)
+    experts = []
+    for e, (g_e, u_e, d_e) in enumerate(ffns):
+        one = dataclasses.replace(lay, copies=1)
+        experts += copy_experts(g_e, u_e, d_e, orders[e:e + 1], one, lay.granularity)
     report: dict = {"layer": i, "symmetry": s.symmetry}
     if broken and s.symmetry == "drop":
         g = lay.granularity
@@ -320,22 +352,33 @@ def run_upcycle(plan: UpcyclePlan, out: str | Path, *, overwrite: bool = False, 
     return report
 
 
+class AveragedReader:
+    """The mean of several readers' tensors of one name (a merge's --attention average), float32 sums."""
+
+    def __init__(self, readers: list[CheckpointReader]):
+        self.readers = readers
+        self.tensors = readers[0].tensors
+
+    def get(self, name: str) -> torch.Tensor:
+        first = self.readers[0].get(name)
+        return (sum(r.get(name).float() for r in self.readers) / len(self.readers)).to(first.dtype)
+
+
 def _write_tensors(plan: UpcyclePlan, writer, progress: Progress | None) -> list[dict]:
-    src, dtype, reader = plan.src, plan.out_dtype, plan.reader
-    reader.prefetch(reader.layer_tensors(0))
+    src, dtype = plan.src, plan.out_dtype
+    reader = AveragedReader(plan.readers) if plan.attention == "average" else plan.reader
+    plan.reader.prefetch(plan.reader.layer_tensors(0))
     writer.write("model.embed_tokens.weight", reader.get("model.embed_tokens.weight").to(dtype))
     layers = []
     for i in range(src.n_layers):
-        p = f"model.layers.{i}."
         if i + 1 < src.n_layers:
-            reader.prefetch(reader.layer_tensors(i + 1))
+            plan.reader.prefetch(plan.reader.layer_tensors(i + 1))
         write_attention(writer, reader, src, plan.fmt, i, dtype)
-        gate, up, down = (reader.get(p + f"mlp.{n}_proj.weight") for n in ("gate", "up", "down"))
-        le = layer_experts(plan, i, gate, up, down)
+        le = layer_experts(plan, i, plan.ffns(i))
         for name, t in _ffn_tensors(plan, i, le).items():
             writer.write(name, t)
         layers.append(le.report)
-        del gate, up, down, le
+        del le
         if progress:
             progress("writing", i + 1, src.n_layers)
     write_head(writer, reader, src, src.tied, dtype)
@@ -354,23 +397,27 @@ def check_output(plan: UpcyclePlan, out_dir: Path, progress: Progress | None = N
     out_reader = CheckpointReader(out_dir)
     from_files = plan.output_bytes <= READ_BACK_BYTES
 
-    def regenerate(broken: bool):
+    def regenerate(broken: bool, base_only: bool = False):
         def experts(i: int):
-            p = f"model.layers.{i}."
-            g, u, d = (src_reader.get(p + f"mlp.{n}_proj.weight") for n in ("gate", "up", "down"))
-            return [tuple(t.to(plan.out_dtype) for t in ex) for ex in layer_experts(plan, i, g, u, d, broken).experts]
+            ffns = plan.ffns(i)
+            ffns = [ffns[0]] * len(ffns) if base_only else ffns
+            return [tuple(t.to(plan.out_dtype) for t in ex) for ex in layer_experts(plan, i, ffns, broken).experts]
         return experts
 
-    dense = source_stack(src, src_reader)
+    dense = source_stack(src, src_reader, plan.out_dtype)  # the source as the output's dtype holds it
     written = moe_stack(out_dir, out_reader, None if from_files else regenerate(True))
-    exact = written if plan.exact else moe_stack(out_dir, out_reader, regenerate(False))
+    if plan.sources and plan.attention != "base":  # averaged attention: no setting computes the base
+        return _kl_only(plan, dense, written, text_ids, progress, src_reader, out_reader)
+    # a merge: every copy the base's FFN (its attention is the base's) must give the base's logits
+    exact = written if plan.exact else moe_stack(out_dir, out_reader, regenerate(False, bool(plan.sources)))
     ids = torch.randint(0, src.vocab, (2, CHECK_SEQ), generator=torch.Generator().manual_seed(plan.settings.seed))
     stacks = [dense, exact]
     finals = stream_hidden(stacks, ids, progress)
     diff, scale = max_logit_diff(dense, finals[0], exact, finals[1])
     result = {"max_logit_diff": diff, "logit_scale": scale, "tokens": int(ids.numel()),
               "experts_read_back": from_files,
-              "exact_model": "as written" if plan.exact else "the copies before symmetry breaking"}
+              "exact_model": "as written" if plan.exact else "every expert the base's FFN" if plan.sources else
+              "the copies before symmetry breaking"}
     tol = CHECK_RTOL * max(scale, 1e-6)
     if not math.isfinite(diff) or diff > tol:
         raise RuntimeError(f"upcycle check failed: the copies' logits differ from {src.path}'s by {diff:.3g} (allowed "
@@ -386,6 +433,18 @@ def check_output(plan: UpcyclePlan, out_dir: Path, progress: Progress | None = N
     src_reader.close()
     out_reader.close()
     return result
+
+
+def _kl_only(plan: UpcyclePlan, dense, written, text_ids, progress, *readers) -> dict:
+    from .layerwise import kl_to_reference, stream_hidden
+
+    ids = text_ids if text_ids is not None else torch.randint(
+        0, plan.src.vocab, (2, CHECK_SEQ), generator=torch.Generator().manual_seed(plan.settings.seed))
+    finals = stream_hidden([dense, written], ids, progress)
+    for r in readers:
+        r.close()
+    return {"exact_model": None, "tokens": int(ids.numel()), "experts_read_back": True,
+            "kl_to_source": kl_to_reference(dense, finals[0], written, finals[1])}
 
 
 def _write_metadata(plan: UpcyclePlan, tmp: Path, layers: list[dict], seconds: float, check: dict) -> dict:

@@ -277,7 +277,7 @@ def _check_report(out: Path, layout: MoeLayout) -> list[str]:
     if report is None:
         return []
     layers = report["layers"]
-    if report.get("construction") == "upcycle":
+    if report.get("construction") in ("upcycle", "merge"):
         from .verify_upcycle import check_report
 
         return check_report(report, layout.n_layers, layout.n_experts, layout.top_k)
@@ -512,7 +512,7 @@ def verify_checkpoint(out: str | Path, against: str | Path | None = None, *, val
         return result
     against = Path(against)
     report = read_report(out) or {}
-    if report.get("construction") == "upcycle":
+    if report.get("construction") in ("upcycle", "merge"):
         return _verify_upcycle(result, out, against, report, layout, reader, logits, allow_pickle, seq_len, progress)
     diffs, skipped = check_weights_against(out, layout, reader, against, allow_pickle=allow_pickle, progress=progress)
     result.problems += diffs
@@ -549,9 +549,9 @@ def _verify_upcycle(result: VerifyResult, out: Path, against: Path, report: dict
     result.skipped += skipped
     if not logits:
         return result
-    if report.get("settings", {}).get("symmetry", "none") not in EXACT_SYMMETRY:
-        result.skipped.append("logits: the copies were made to differ on purpose, so the model is not the source by "
-                              "design; not compared")
+    if report.get("construction") == "merge" or report.get("settings", {}).get("symmetry") not in EXACT_SYMMETRY:
+        result.skipped.append("logits: the experts differ from the source's FFN by design (a merge, or copies made "
+                              "to differ on purpose); not compared")
         return result
     diff, scale = streamed_logits(out, against, seq_len=seq_len)
     result.max_logit_diff, result.logit_scale = diff, scale

@@ -73,7 +73,13 @@ def check_against(out: Path, src_path: Path, report: dict, fmt: str, dtype: torc
         if got.shape != want.shape or not torch.equal(_bits(got), _bits(want)):
             problems.append(f"tensor {name} differs from the source's {src_name or name}")
 
-    exact = report.get("settings", {}).get("symmetry", "none") in EXACT_SYMMETRY
+    merge = report.get("construction") == "merge"
+    exact = report.get("settings", {}).get("symmetry", "none") in EXACT_SYMMETRY and not merge
+    base_parts = report.get("attention", "base") == "base"  # a merge's averaged attention is no source's
+    if not base_parts:
+        same = lambda name, src_name=None: None  # noqa: E731
+        skipped.append("attention, norms and embeddings: the sources' average (a merge's --attention average), "
+                       "not compared")
     same("model.embed_tokens.weight")
     for i in range(source.n_layers):
         p = f"model.layers.{i}."
@@ -98,9 +104,11 @@ def check_against(out: Path, src_path: Path, report: dict, fmt: str, dtype: torc
     same("model.norm.weight")
     if "lm_head.weight" in reader.tensors:
         same("lm_head.weight", "model.embed_tokens.weight" if source.tied else "lm_head.weight")
-    checked.append(f"weights against {src_path}: non-FFN tensors bit for bit, routers grouped by copy"
-                   + (", every copy the source's neurons bit for bit" if exact else ""))
-    if not exact:
+    checked.append(f"weights against {src_path}: " + ("non-FFN tensors bit for bit, " if base_parts else "")
+                   + "routers grouped by copy" + (", every copy the source's neurons bit for bit" if exact else ""))
+    if merge:
+        skipped.append("expert values: a merge's experts are its sources' FFNs, not the base's")
+    elif not exact:
         skipped.append(f"expert values: the copies were made to differ on purpose (symmetry "
                        f"{report['settings']['symmetry']}), so they are not the source's by design")
     src_reader.close()
@@ -141,7 +149,8 @@ def compare_logits(out: Path, src_path: Path, seq_len: int = 16, seed: int = 0) 
 
     source = load_source(src_path)
     src_reader, out_reader = CheckpointReader(source.path), CheckpointReader(out)
-    dense, moe = source_stack(source, src_reader), moe_stack(out, out_reader)
+    dtype = out_reader.tensors["model.embed_tokens.weight"].dtype
+    dense, moe = source_stack(source, src_reader, dtype), moe_stack(out, out_reader)
     ids = torch.randint(0, source.vocab, (2, seq_len), generator=torch.Generator().manual_seed(seed))
     finals = stream_hidden([dense, moe], ids)
     result = max_logit_diff(dense, finals[0], moe, finals[1])

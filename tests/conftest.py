@@ -4,11 +4,30 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+
+# Under pytest-xdist (`make test` runs `-n auto`) each worker gets its share of the cores, and so do the processes
+# its tests start (OMP_NUM_THREADS is inherited): no worker oversubscribes the machine.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+    torch.set_num_threads(_threads)
+
+# The files whose tests take minutes run first, so that under `-n auto --dist loadfile` the workers share them and the
+# quick files fill in at the end, instead of one worker finishing a long file alone.
+HEAVY_FIRST = ("test_tune_stage.py", "test_bench_gpu.py", "test_parallel_runs.py", "test_wheel.py", "test_tune.py",
+               "test_tune_steps.py", "test_upcycle.py", "test_tasks.py", "test_front_door.py", "test_reliability.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the order within a file is kept
+
 
 # Real English text bundled in the repo (WikiText-2 training text, CC BY-SA 3.0; see examples/calib/README.md)
 CORPUS = Path(__file__).resolve().parents[1] / "examples" / "calib" / "wikitext2_train_sample.txt"

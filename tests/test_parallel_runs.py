@@ -53,7 +53,7 @@ def _env(hold: str = "", **extra) -> dict:
 
 
 def _torchrun_cmd(args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(HELD_BACK), *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(HELD_BACK), *args]
 
 
 def _torchrun(args: list[str], hold: str = "", **env) -> subprocess.CompletedProcess:

@@ -79,7 +79,7 @@ def _one_and_two_processes(dense: Path, carve: Path, tmp_path: Path, flags: list
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MOEIFY_AUTOCAST": autocast}
     subprocess.run([sys.executable, "-m", "moeify", "tune", str(dense), str(one)] + flags, env=env, check=True,
                    capture_output=True)
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "moeify",
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "moeify",
                           "tune", str(dense), str(two)] + flags, env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
     return tuple(json.loads((p / "report.json").read_text())["tuning"]["runs"][0] for p in (one, two))

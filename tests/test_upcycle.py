@@ -55,6 +55,14 @@ def test_upcycle_reproduces_dense_logits_under_the_class_routing(tmp_path, case)
     assert result.ok and result.max_logit_diff <= EXACT, result.problems
 
 
+def test_a_bfloat16_output_of_a_float32_source_is_checked_against_the_source_as_bfloat16_holds_it(tmp_path):
+    src = build_dense(tmp_path / "dense")
+    report = upcycle(src, tmp_path / "moe", copies=4, granularity=2, top_k=4, dtype="bfloat16")
+    assert report["output_dtype"] == "bfloat16" and report["check"]["max_logit_diff"] <= EXACT
+    result = verify_checkpoint(tmp_path / "moe", src)
+    assert result.ok and result.max_logit_diff <= EXACT, result.problems
+
+
 def test_the_check_and_verify_see_a_lost_rope_setting(tmp_path):
     """The streamed check builds each model from its own config: a lost rope scaling shows as a logit difference."""
     src = build_dense(tmp_path / "dense", rope_parameters=LLAMA3_ROPE)
@@ -185,8 +193,11 @@ def test_the_output_loads_with_no_missing_keys_and_trains(tmp_path):
     model, info = load(tmp_path / "moe")
     assert not info["missing_keys"] and not info["unexpected_keys"]
     model.train()
+    model.config.output_router_logits = True  # the load-balancing loss, weighted by the written coefficient
     ids = torch.randint(0, 384, (2, 16), generator=torch.Generator().manual_seed(0))
-    loss = model(ids, labels=ids).loss
+    out = model(ids, labels=ids)
+    assert model.config.router_aux_loss_coef == 0.01 and out.aux_loss > 0
+    loss = out.loss
     loss.backward()
     router = model.model.layers[0].mlp.gate.weight
     assert torch.isfinite(loss) and router.grad is not None and router.grad.abs().max() > 1e-6

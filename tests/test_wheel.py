@@ -1,5 +1,7 @@
-"""The installed package as users get it: the wheel built from this checkout, installed with its dependencies into a
-fresh virtual environment outside the checkout, run from another folder (no configs/, no examples/ beside it)."""
+"""The installed package as users get it: the wheel built from this checkout, installed into a fresh virtual environment
+outside the checkout, run from another folder (no configs/, no examples/ beside it). Its dependencies are the test
+environment's own, seen through a .pth line rather than installed again (`make install` installs the same list from
+the index), and `pip check` holds the wheel's declared requirements to them."""
 
 from __future__ import annotations
 
@@ -23,7 +25,12 @@ def test_the_wheel_installs_converts_by_preset_name_and_its_output_loads_with_a_
     wheel = next(dist.glob("moeify-*.whl"))
     run([sys.executable, "-m", "venv", venv], tmp_path)
     py = venv / "bin" / "python"
-    run([py, "-m", "pip", "install", "-q", "torch==2.13.0", wheel], tmp_path)  # the CPU build; the rest from the index
+    site = run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], tmp_path).strip()
+    deps = [p for p in sys.path if p.endswith("site-packages")]  # torch, transformers, ... of this environment
+    (Path(site) / "moeify-test-deps.pth").write_text("\n".join(deps) + "\n")  # after the venv's own site-packages
+    run([py, "-m", "pip", "install", "-q", "--no-deps", "--no-index", wheel], tmp_path)
+    check = subprocess.run([py, "-m", "pip", "check"], capture_output=True, text=True).stdout  # (the venv's own
+    assert not [ln for ln in check.splitlines() if ln.startswith("moeify ")], check  # old setuptools may be listed)
     work.mkdir()
     shutil.copytree(ROOT / "examples" / "tiny-llama", work / "tiny")
     version = run([venv / "bin" / "moeify", "--version"], work)
