@@ -90,6 +90,28 @@ def train(path: Path, train_ids: torch.Tensor, evals: dict, args) -> dict:
     return {"params": params, "train_seconds": time.time() - t0, "curve": curve, "moe": moe}
 
 
+def plot(result: dict, path: Path) -> None:
+    """Held-out perplexity against tokens, each text a panel (the starting point left out: it dwarfs the rest)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, text in zip(axes, ("shakespeare", "wikitext2")):
+        for name, run in result["runs"].items():
+            pts = [p for p in run["curve"] if p["tokens"] > 0]
+            ax.plot([p["tokens"] for p in pts], [p[text] for p in pts], marker="o", ms=3,
+                    label=f"{name} ({run['params'] / 1e6:.1f}M params)")
+        ax.set_title(f"held-out {text} valid.txt" + (" (the new text)" if text == "shakespeare" else " (the old text)"))
+        ax.set_xlabel("training tokens (tiny-shakespeare train)")
+        ax.set_ylabel("perplexity")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("tiny Llama (6 layers, d_ff 720) trained on new text: dense and upcycled")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=200)
@@ -102,7 +124,10 @@ def main() -> None:
     ap.add_argument("--runs", default=";".join(RUNS), help="run names, separated by ;")
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--plot", type=Path, default=None)
+    ap.add_argument("--plot-only", action="store_true", help="draw --plot from an existing --json")
     args = ap.parse_args()
+    if args.plot_only:
+        return plot(json.loads(args.json.read_text()), args.plot)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(TINY)
@@ -126,26 +151,7 @@ def main() -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        for ax, text in zip(axes, ("shakespeare", "wikitext2")):
-            for name, run in result["runs"].items():
-                ax.plot([p["tokens"] for p in run["curve"]], [p[text] for p in run["curve"]], marker="o", ms=3,
-                        label=f"{name} ({run['params'] / 1e6:.1f}M params)")
-            ax.set_title(f"held-out {text} valid.txt" + (" (the new text)" if text == "shakespeare" else
-                                                          " (the old text)"))
-            ax.set_xlabel("training tokens (tiny-shakespeare train)")
-            ax.set_ylabel("perplexity")
-            ax.set_yscale("log")
-        axes[0].legend(fontsize=7)
-        fig.suptitle("tiny Llama (6 layers, d_ff 720) trained on new text: dense and upcycled")
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=110)
-
+        plot(result, args.plot)
 
 if __name__ == "__main__":
     main()
