@@ -53,7 +53,7 @@ class LayerStack:
     def layer(self, i: int) -> torch.nn.Module:
         with torch.device("meta"):
             layer = self.layer_cls(self.config, i)
-        state = {k: self._tensor(i, k).float() for k in layer.state_dict()}
+        state = {k: self._tensor(i, k).float() for k in layer.state_dict()}  # (float32 already: no copy)
         layer.load_state_dict(state, assign=True)
         return layer.eval()
 
@@ -65,9 +65,15 @@ class LayerStack:
         sub = key.removeprefix("mlp.")
         if sub in ("experts.gate_up_proj", "experts.down_proj"):
             experts = (self.expert_override(i) if self.expert_override else None) or self._experts(block)
-            if sub == "experts.down_proj":
-                return torch.stack([d.float() for _, _, d in experts])  # (E, d_model, w)
-            return torch.stack([torch.cat([g.float(), u.float()]) for g, u, _ in experts])  # (E, 2w, d_model)
+            g0, _, d0 = experts[0]
+            down = sub == "experts.down_proj"  # filled expert by expert: no second float copy of the layer
+            out = torch.empty((len(experts), *d0.shape) if down else (len(experts), 2 * g0.shape[0], g0.shape[1]))
+            for e, (g, u, d) in enumerate(experts):
+                if down:
+                    out[e] = d  # (d_model, w)
+                else:
+                    out[e, :g.shape[0]], out[e, g.shape[0]:] = g, u  # (2w, d_model): gate rows, then up rows
+            return out
         if block + sub in self.reader.tensors:  # router, shared expert, shared gate
             return self.reader.get(block + sub)
         return self.reader.get(p + key)  # a dense layer of a Qwen2-MoE / Qwen3-MoE (mlp_only_layers)

@@ -103,7 +103,7 @@ class UpcyclePlan:
     config_json: dict
     total_params: int
     active_params: int
-    reader: CheckpointReader = field(repr=False)
+    reader: CheckpointReader | None = field(repr=False)  # None: planned from config.json alone (not runnable)
     # a merge (moeify.merging): copy e is the FFN of sources[e]; attention, norms and embeddings the base's (src) or
     # the sources' average; router rows per layer (E, d_model) from each source's text, or random when None
     sources: list[SourceModel] = field(default_factory=list)
@@ -186,19 +186,24 @@ def resolve_format(src: SourceModel, requested: str, shared_width: int) -> str:
 
 
 def plan_upcycle(src_path: str | Path, settings: UpcycleSettings, *, allow_pickle: bool = False,
-                 force: bool = False) -> UpcyclePlan:
-    """Read config and shard headers only; check everything before heavy work."""
+                 force: bool = False, weights: bool = True) -> UpcyclePlan:
+    """Read config and shard headers only; check everything before heavy work. weights=False: config.json alone
+    (a plan to print, from a Hub id without fetching its weights; it cannot be run)."""
     settings.validate()
     src = load_source(src_path)
-    check_links(src.path, ("config.json", *TOKENIZER_FILES))
-    reader = CheckpointReader(src.path, allow_pickle=allow_pickle)
-    check_source_tensors(src, reader.tensors)
+    if weights:
+        check_links(src.path, ("config.json", *TOKENIZER_FILES))
+        reader = CheckpointReader(src.path, allow_pickle=allow_pickle)
+        check_source_tensors(src, reader.tensors)
+        headers, stored = reader.tensors, reader.tensors["model.embed_tokens.weight"].dtype
+    else:
+        reader, stored = None, src.dtype or torch.bfloat16
+        headers = {n: TensorInfo(n, stored, shape) for n, shape in src.expected_tensors().items()}
     fmt = resolve_format(src, settings.format, settings.shared_width)
     layout = UpcycleLayout(src.d_ff, settings.copies, settings.granularity, settings.top_k, settings.shared_width)
     layout.check()
-    out_dtype = (DTYPE_NAMES[settings.dtype] if settings.dtype != "auto"
-                 else reader.tensors["model.embed_tokens.weight"].dtype)
-    tensors = _output_tensors(src, reader, fmt, layout, out_dtype)
+    out_dtype = DTYPE_NAMES[settings.dtype] if settings.dtype != "auto" else stored
+    tensors = _output_tensors(src, headers, fmt, layout, out_dtype)
     shards = ShardLayout.plan(tensors, settings.max_shard_bytes)
     config_json = target_config(src, fmt, experts=layout.n_experts, top_k=layout.top_k,
                                 expert_width=layout.expert_width, shared_width=layout.shared_width, dense_layers=(),
@@ -217,12 +222,12 @@ def plan_upcycle(src_path: str | Path, settings: UpcycleSettings, *, allow_pickl
     return plan
 
 
-def _output_tensors(src: SourceModel, reader: CheckpointReader, fmt: str, layout: UpcycleLayout,
+def _output_tensors(src: SourceModel, headers: dict[str, TensorInfo], fmt: str, layout: UpcycleLayout,
                     dtype: torch.dtype) -> list[TensorInfo]:
     h, w, n = src.hidden, layout.expert_width, layout.n_experts
     out = [TensorInfo("model.embed_tokens.weight", dtype, (src.vocab, h))]
     for i in range(src.n_layers):
-        out += attention_infos(src, reader.tensors, fmt, i, dtype)
+        out += attention_infos(src, headers, fmt, i, dtype)
         for name in ffn_tensor_names(fmt, i, n, dense=False, shared=layout.shared_width > 0):
             if name.endswith("shared_expert_gate.weight"):
                 shape = (1, h)
@@ -387,9 +392,9 @@ def _write_tensors(plan: UpcyclePlan, writer, progress: Progress | None) -> list
 
 def check_output(plan: UpcyclePlan, out_dir: Path, progress: Progress | None = None,
                  text_ids: torch.Tensor | None = None) -> dict:
-    """Stream the source and the written MoE one decoder layer at a time (moeify.layerwise): the copies before any
-    symmetry breaking must give the source's logits on random tokens (RuntimeError otherwise); the model as written
-    is scored by its KL to the source on `text_ids` (when given) or on the random tokens."""
+    """Stream the source and the written MoE one decoder layer at a time (moeify.layerwise), in one pass over
+    `text_ids` (else 64 random tokens): the copies before any symmetry breaking must give the source's logits
+    (RuntimeError otherwise), and the model as written is scored by its KL to the source."""
     from .layerwise import kl_to_reference, max_logit_diff, moe_stack, source_stack, stream_hidden
 
     src = plan.src
@@ -410,11 +415,15 @@ def check_output(plan: UpcyclePlan, out_dir: Path, progress: Progress | None = N
         return _kl_only(plan, dense, written, text_ids, progress, src_reader, out_reader)
     # a merge: every copy the base's FFN (its attention is the base's) must give the base's logits
     exact = written if plan.exact else moe_stack(out_dir, out_reader, regenerate(False, bool(plan.sources)))
-    ids = torch.randint(0, src.vocab, (2, CHECK_SEQ), generator=torch.Generator().manual_seed(plan.settings.seed))
-    stacks = [dense, exact]
+    # one pass: the check's tokens (the text, else random ones) through the source, the exact construction and,
+    # when it differs, the model as written, a decoder layer of each at a time
+    ids = text_ids if text_ids is not None else torch.randint(
+        0, src.vocab, (2, CHECK_SEQ), generator=torch.Generator().manual_seed(plan.settings.seed))
+    stacks = [dense, exact] if exact is written else [dense, exact, written]
     finals = stream_hidden(stacks, ids, progress)
     diff, scale = max_logit_diff(dense, finals[0], exact, finals[1])
     result = {"max_logit_diff": diff, "logit_scale": scale, "tokens": int(ids.numel()),
+              "tokens_from": "text" if text_ids is not None else "random",
               "experts_read_back": from_files,
               "exact_model": "as written" if plan.exact else "every expert the base's FFN" if plan.sources else
               "the copies before symmetry breaking"}
@@ -422,14 +431,10 @@ def check_output(plan: UpcyclePlan, out_dir: Path, progress: Progress | None = N
     if not math.isfinite(diff) or diff > tol:
         raise RuntimeError(f"upcycle check failed: the copies' logits differ from {src.path}'s by {diff:.3g} (allowed "
                            f"{tol:.3g}); nothing was written")
+    result["kl_to_source"] = kl_to_reference(dense, finals[0], written, finals[-1]) if text_ids is not None or \
+        not plan.exact else 0.0
     if text_ids is not None:
-        ids = text_ids
-        result.update(kl_text_tokens=int(ids.numel()))
-    if text_ids is not None or not plan.exact:
-        finals = stream_hidden([dense, written], ids, progress)
-        result["kl_to_source"] = kl_to_reference(dense, finals[0], written, finals[1])
-    else:
-        result["kl_to_source"] = 0.0
+        result["kl_text_tokens"] = int(ids.numel())
     src_reader.close()
     out_reader.close()
     return result
