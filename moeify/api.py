@@ -129,19 +129,46 @@ def tune(src: str | Path, out: str | Path, tokens: int | None = None, *, resume:
                        timeout=timeout)
 
 
-def evaluate(models: Sequence[str | Path], data: str | Path | None = None, *, progress: Progress | None = None,
-             **settings):
+def evaluate(models: Sequence[str | Path], data: str | Path | None = None, *, tasks: str | Sequence[str] | None = None,
+             task_dir: str | Path | None = None, task_data: str | Path | None = None, limit: int | None = None,
+             task_batch_size: int = 16, progress: Progress | None = None, **settings):
     """Perplexity of every model (folders or Hub ids; the first is the reference) on the same tokens and windows,
     with parameters, tokens/s and routing statistics (moeify.evaluation.EvalResult). settings: seq_len, stride,
-    max_tokens, batch_size, device, dtype, oracle, kl (moeify.evaluation.EvalSettings). Each moeify output among
-    the others records its perplexity beside the first model's in its card (OUT/README.md, OUT/evaluation.json)."""
+    max_tokens, batch_size, device, dtype, oracle, kl, generation (moeify.evaluation.EvalSettings).
+
+    tasks ("arc_easy,piqa" or a list; needs `pip install 'moeify[tasks]'`): also zero-shot accuracy through
+    lm-evaluation-harness on the same items for every model (result.tasks: value ± SE, difference to the first model
+    ± paired SE), and generation health (each model's .generation) unless generation=False. A task is looked up in
+    task_dir (lm-eval task YAMLs), then among the six bundled definitions over the files in task_data (or
+    $MOEIFY_TASK_DATA), then in lm-eval's registry (data from the Hub). limit: the first N items of each task;
+    task_batch_size: log-likelihood requests per forward.
+    Each moeify output among the others records its numbers beside the first model's in its card (OUT/README.md,
+    OUT/evaluation.json)."""
     from dataclasses import asdict
 
     from .card import record_evaluation
     from .evaluation import EvalSettings, evaluate as run
     from .hub import hub_origin
 
-    result = run([resolve(m, what="model") for m in models], data, EvalSettings(**settings), progress=progress)
+    loaded, scored, visit = None, [], None
+    if tasks is not None:  # every task file and name checked before any model is loaded
+        from .tasks import compare_tasks, load_tasks, score_tasks
+        from .text import load_tokenizer
+
+        loaded = load_tasks(tasks, task_dir=task_dir, task_data=task_data, limit=limit)
+        if settings.get("generation") is None:
+            settings["generation"] = True
+
+        def visit(model, path: Path, label: str) -> None:
+            tick = (lambda done, total: progress(f"tasks {label}", done, total)) if progress else None
+            scored.append(score_tasks(model, load_tokenizer(path), loaded, path, task_batch_size, tick))
+    elif task_dir is not None or task_data is not None or limit is not None:
+        raise MoeifyError("--task-dir, --task-data and --limit go with --tasks", "name the tasks, e.g. "
+                          "--tasks arc_easy,piqa")
+    result = run([resolve(m, what="model") for m in models], data, EvalSettings(**settings), progress=progress,
+                 visit=visit)
+    if loaded is not None:
+        result.tasks = compare_tasks(loaded, scored)
     whole = result.to_json()
     for m in result.models[1:]:  # a moeify output here (not a Hub download) keeps its numbers in its card
         path = Path(m.path)
@@ -188,10 +215,11 @@ def serve_layouts(src: str | Path, *, preset: str | Path | None = None, **counts
 
 
 def prepare_upcycle(src: str | Path, *, allow_pickle: bool = False, force: bool = False, max_shard_size=None,
-                    **settings):
-    """The upcycle's plan (moeify.upcycle.UpcyclePlan: layout, parameters, engine notes) before anything is written
+                    weights: bool = True, **settings):
+    """The upcycle's plan (moeify.upcycling.UpcyclePlan: layout, parameters, engine notes) before anything is written
     (`moeify upcycle --dry-run` prints it). settings: UpcycleSettings' fields (copies, granularity, top_k,
-    shared_width, format, symmetry, drop_share, noise_scale, router_std, dtype, seed, targets)."""
+    shared_width, format, symmetry, drop_share, noise_scale, router_std, aux_loss_coef, dtype, seed, targets).
+    weights=False: from config.json alone (a Hub id fetches nothing else), a plan to print, not to run."""
     from .config import parse_size
     from .upcycling import UpcycleSettings, plan_upcycle
 
@@ -207,7 +235,8 @@ def prepare_upcycle(src: str | Path, *, allow_pickle: bool = False, force: bool 
         given["targets"] = tuple(t.strip() for t in given["targets"].split(",") if t.strip())
     elif given.get("targets") is not None:
         given["targets"] = tuple(given["targets"])
-    return plan_upcycle(resolve(src), UpcycleSettings(**given), allow_pickle=allow_pickle, force=force)
+    return plan_upcycle(resolve(src, config_only=not weights), UpcycleSettings(**given), allow_pickle=allow_pickle,
+                        force=force, weights=weights)
 
 
 def run_upcycle_plan(plan, out: str | Path, *, overwrite: bool = False, progress: Progress | None = None,

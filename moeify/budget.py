@@ -35,6 +35,15 @@ class Budget:
         return self.total_params / self.dense_total_params
 
 
+def active_neuron_share(*, d_ff: int, n_layers: int, top_k: int, expert_width: int, shared_width: int,
+                        dense_layers: int = 0) -> float:
+    """Share of the dense FFNs' neurons a token uses: the shared expert and top_k routed experts of each MoE layer,
+    every neuron of a dense layer. Real neurons only: the zero padding of stored experts (padded_width) is not
+    counted here; carve_budget's FLOPs, which count what is computed, include it."""
+    moe = shared_width + top_k * expert_width
+    return (dense_layers * d_ff + (n_layers - dense_layers) * moe) / (n_layers * d_ff)
+
+
 def carve_budget(*, hidden: int, d_ff: int, n_layers: int, other_params: int, experts: int, top_k: int,
                  expert_width: int, shared_width: int, dense_layers: int = 0) -> Budget:
     """other_params: everything that is not an FFN (embeddings, attention, norms, lm_head) in the dense model."""

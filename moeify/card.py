@@ -15,6 +15,8 @@ import json
 import shutil
 from pathlib import Path
 
+from .budget import active_neuron_share
+
 CARD = "README.md"
 EVALUATION = "evaluation.json"  # `moeify eval`'s numbers for this output, which the card shows
 LICENCE_FILES = ("LICENSE", "LICENSE.txt", "LICENSE.md", "LICENCE", "LICENCE.txt", "NOTICE")
@@ -79,7 +81,7 @@ def render(out: Path, name: str | None = None) -> str:
             "model)" if tuned else "training-free (no tuning: calibration only)")
     lines = [f"# {title}", "",
              f"A Mixture-of-Experts model carved from {f'[{base}](https://huggingface.co/{base})' if origin else f'`{base}`'} "
-             f"by [moeify](https://pypi.org/project/moeify/) {report.get('moeify_version', '')}: every FFN's "
+             f"by moeify {report.get('moeify_version', '')}: every FFN's "
              f"intermediate neurons permuted and split into experts, with a router per layer; {done}. With every "
              "expert active it computes exactly what the dense model computes.", "",
              "## Layout", "", "| | |", "|---|---|",
@@ -87,7 +89,12 @@ def render(out: Path, name: str | None = None) -> str:
              f"| routed experts | {experts} of {width} neurons, top-{top_k} a token |"]
     if shared:
         lines.append(f"| shared expert | {shared_width} neurons, always on |")
-    lines += [f"| FFN active per token | {report.get('ffn_flops_ratio', 0):.1%} |",
+    layers = report.get("layers", [])
+    d_ff = len(carved[0]["perm"]) if carved and "perm" in carved[0] else (experts or 0) * (width or 0) + shared_width
+    share = active_neuron_share(d_ff=d_ff, n_layers=len(layers) or 1, top_k=top_k or 0, expert_width=width or 0,
+                                shared_width=shared_width, dense_layers=len(layers) - len(carved)) if d_ff else 0.0
+    active = active_share_text(share, width, report.get("padded_expert_width", width), report.get("ffn_flops_ratio", 0))
+    lines += [f"| FFN active per token | {active} |",
               f"| parameters | {_millions(report.get('total_params', 0))} total, "
               f"{_millions(report.get('active_params', 0))} active per token |",
               f"| carved layers | {len(carved)} of {len(report.get('layers', []))} |",
@@ -114,7 +121,8 @@ def render(out: Path, name: str | None = None) -> str:
     lines += _evaluation_lines(out) or ["- Perplexity: not measured yet (`moeify eval DENSE THIS --data TEXT` "
                                         "adds it here)."]
     lines += ["", "## Recipe", "", "The settings that made it (`moeify.toml`; `moeify convert SRC OUT --preset "
-              "moeify.toml` repeats the conversion):", "", "```toml", toml_text.rstrip(), "```", ""]
+              "moeify.toml` repeats the conversion where the text files it names are; `bundled:` names the text "
+              "moeify ships):", "", "```toml", toml_text.rstrip(), "```", ""]
     front = data.to_yaml()
     return f"---\n{front}\n---\n\n" + "\n".join(lines)
 
@@ -181,7 +189,8 @@ def _render_upcycle(out: Path, report: dict, name: str | None) -> str:
               f"| dtype | {report.get('output_dtype', '')} |", "",
               "## Checked at the end of the upcycle", "",
               (f"- Exactness: {check['exact_model']}, routed by its own top-k, against the dense model on "
-               f"{check.get('tokens', 0)} random tokens: max |logit difference| {check['max_logit_diff']:.3g} (max "
+               f"{check.get('tokens', 0)} {'tokens of text' if check.get('tokens_from') == 'text' else 'random tokens'}"
+               f": max |logit difference| {check['max_logit_diff']:.3g} (max "
                f"|logit| {check.get('logit_scale', 0):.3g})." if check.get("exact_model") else
                "- Exactness: no setting of this merge computes the base (its attention is the sources' average)."),
               f"- As written: KL divergence to the dense model's next-token distributions {kl:.4g} nats"
@@ -198,6 +207,15 @@ def _render_upcycle(out: Path, report: dict, name: str | None) -> str:
     lines += ["", "## Recipe", "", "The settings that made it (`moeify.toml`):", "", "```toml",
               (out / "moeify.toml").read_text().rstrip(), "```", ""]
     return f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)
+
+
+def active_share_text(share: float, width: int, stored: int, flops_ratio: float) -> str:
+    """The FFN's active share as plan, convert and the card say it: real neurons, and the zero padding apart."""
+    text = f"{share:.1%} of the dense FFN's neurons"
+    if stored != width:
+        text += (f"; experts of {width} neurons are stored zero-padded to {stored} (exact), so a token computes "
+                 f"{flops_ratio:.1%} of the dense FFN's FLOPs, routers included")
+    return text
 
 
 def _evaluation_lines(out: Path) -> list[str]:
@@ -228,7 +246,8 @@ def _task_lines(ev: dict) -> list[str]:
             ppl = r["metric"] == "perplexity"
             diff = f"×{r['diff']:.3f} ± {r['diff_se']:.3f}" if ppl else f"{r['diff']:+.4f} ± {r['diff_se']:.4f}"
             spec = ".2f" if ppl else ".4f"
-            rows.append(f"| {r['task']} | {r['metric']} | {r['n']:,} | {r['reference']:{spec}} | {r['this']:{spec}} "
+            items = f"{r['n']:,}" + (f" of {r['of']:,}" if r.get("of") and r["of"] != r["n"] else "")
+            rows.append(f"| {r['task']} | {r['metric']} | {items} | {r['reference']:{spec}} | {r['this']:{spec}} "
                         f"| {diff} |")
     if gen:
         rows += ["", f"- Generation health: repeated {gen['ngram']}-grams in greedy continuations of {gen['prompts']} "
@@ -255,7 +274,7 @@ def record_evaluation(out: Path, result: dict, reference: dict, this: dict) -> N
     if result.get("tasks"):
         t = result["tasks"]
         ev["tasks"] = {"lm_eval": t["lm_eval"], "limit": t["limit"], "rows": [
-            {"task": name, "metric": metric, "n": task["n"], "reference": entries[0]["value"],
+            {"task": name, "metric": metric, "n": task["n"], "of": task["of"], "reference": entries[0]["value"],
              "this": entries[i]["value"], "diff": entries[i]["diff"], "diff_se": entries[i]["diff_se"]}
             for name, task in t["tasks"].items() for metric, entries in task["metrics"].items()]}
     if this.get("generation"):
@@ -275,4 +294,5 @@ def record_evaluation(out: Path, result: dict, reference: dict, this: dict) -> N
     write(out)
 
 
-__all__ = ["CARD", "EVALUATION", "render", "write", "record_evaluation", "copy_licence", "source_licence"]
+__all__ = ["CARD", "EVALUATION", "render", "write", "record_evaluation", "copy_licence", "source_licence",
+           "active_share_text"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import tomllib
@@ -19,6 +20,8 @@ CALIB_METHODS = ("activation", "coactivation")  # need calibration data
 # bundled sample) for whatever the flags do not set. The corrected feed was chosen on the real model (SmolLM2).
 CALIBRATED_DEFAULTS = {"method": "activation", "router": "fitted", "compensate": True, "calib_feed": "corrected"}
 BUNDLED_CALIB = Path(__file__).resolve().parent / "data" / "calib_sample.txt"  # see moeify/data/README.md
+BUNDLED_TEXT = "bundled:"  # how a recipe names a text moeify ships: bundled:calib_sample.txt (moeify/data/)
+TEXT_KEYS = ("calib", "tune_text", "stats")  # settings that name files: a recipe names them portably (recipe_name)
 FEEDS = ("dense", "moe", "corrected")
 DEVICES = ("auto", "cpu", "cuda")
 FORMATS = ("auto", "mixtral", "qwen2_moe", "qwen3_moe")
@@ -248,6 +251,7 @@ def load_preset(path: str | Path) -> dict:
     for old, new in LEGACY_KEYS.items():  # moeify.toml of outputs written before the rename
         if old in data:
             data.setdefault(new, data.pop(old))
+    _where_recorded(path, data)
     if "layout" in data:
         data["layout"] = layout_from_table(data["layout"], f"preset {path}")
     unknown = sorted(set(data) - known - {"max_shard_size"})
@@ -257,9 +261,43 @@ def load_preset(path: str | Path) -> dict:
 
 
 def _absolute(f: str | Path) -> str:
-    """A text file's path as recorded in OUT/moeify.toml: absolute, so that `moeify tune OUT` finds it from any
-    directory (a path relative to where convert ran would not be)."""
-    return os.path.abspath(f) if Path(f).exists() else str(f)
+    """A text file's path as the settings hold it (and OUT/report.json records it): absolute, so that `moeify tune
+    OUT` finds it from any directory (a path relative to where convert ran would not be); bundled:NAME is the file
+    moeify ships."""
+    f = str(f)
+    if f.startswith(BUNDLED_TEXT):
+        shipped = BUNDLED_CALIB.parent / f[len(BUNDLED_TEXT):]
+        if not shipped.is_file():
+            raise MoeifyError(f"{f}: moeify ships no such text", f"the bundled text is {recipe_name(BUNDLED_CALIB)}")
+        return str(shipped)
+    return os.path.abspath(f) if Path(f).exists() else f
+
+
+def recipe_name(f: str | Path) -> str:
+    """A file as a recipe (OUT/moeify.toml, the card) names it: a text moeify ships as bundled:NAME, any other file
+    by its name alone, so that the recipe repeats on another machine and shows nothing of this one's folders."""
+    path = Path(f)
+    return BUNDLED_TEXT + path.name if path.parent == BUNDLED_CALIB.parent else path.name
+
+
+def _where_recorded(preset: Path, data: dict) -> None:
+    """An output's moeify.toml names its files by name alone: where they were is in report.json beside it. A name
+    not found from here is taken from there, so `moeify tune OUT` (which reads OUT/moeify.toml) runs anywhere."""
+    report = preset.parent / "report.json"
+    if preset.name != "moeify.toml" or not report.is_file():
+        return
+    try:
+        settings = json.loads(report.read_text()).get("settings", {})
+    except ValueError:
+        return
+    for key in TEXT_KEYS:
+        recorded = settings.get(key) or []
+        recorded = {Path(f).name: f for f in ([recorded] if isinstance(recorded, str) else recorded)}
+        names = data.get(key)
+        if isinstance(names, str):
+            data[key] = recorded.get(names, names) if names and not Path(names).exists() else names
+        elif isinstance(names, list):
+            data[key] = [recorded.get(f, f) if isinstance(f, str) and not Path(f).exists() else f for f in names]
 
 
 def resolve_preset(values: dict, d_ff: int, qk_norm: bool = False, *, given: dict | None = None,
@@ -348,6 +386,8 @@ def build_config(preset: str | Path | None = None, default_calib: bool = False, 
         values["tune_text"] = (values["tune_text"],)
     if values.get("tune_text") is not None:
         values["tune_text"] = tuple(_absolute(f) for f in values["tune_text"])
+    if values.get("stats"):
+        values["stats"] = _absolute(values["stats"])
     if values.get("calib"):
         values["calib"] = tuple(_absolute(f) for f in values["calib"])
         for key, value in CALIBRATED_DEFAULTS.items():
@@ -372,11 +412,15 @@ def config_to_dict(cfg: ConvertConfig) -> dict:
 
 
 def config_to_toml(cfg: ConvertConfig, extra: dict | None = None) -> str:
-    """Resolved settings as TOML (written to OUT/moeify.toml; usable again as --preset)."""
+    """Resolved settings as TOML (written to OUT/moeify.toml; usable again as --preset). Files are named as a recipe
+    names them (recipe_name), the source by its Hub id or folder name: no path of this machine."""
     lines = []
     for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name in TEXT_KEYS and value:
+            value = recipe_name(value) if isinstance(value, str) else tuple(recipe_name(v) for v in value)
         if f.name != "layout":
-            lines.append(f"{f.name} = {_toml_value(getattr(cfg, f.name))}")
+            lines.append(f"{f.name} = {_toml_value(value)}")
     if cfg.layout is not None:
         lines.append("")
         lines.append("[layout]  # the preset's layout as shares of d_ff; the counts above were resolved from it")
@@ -384,8 +428,16 @@ def config_to_toml(cfg: ConvertConfig, extra: dict | None = None) -> str:
     if extra:
         lines.append("")
         lines.append("[provenance]")
-        lines.extend(f"{k} = {_toml_value(v)}" for k, v in extra.items())
+        lines.extend(f"{k} = {_toml_value(_source_name(v) if k == 'source' else v)}" for k, v in extra.items())
     return "\n".join(lines) + "\n"
+
+
+def _source_name(source: str) -> str:
+    """The dense source as a recipe names it: its Hub id (org/name, @revision), else its folder's name."""
+    from .hub import hub_origin
+
+    origin = hub_origin(Path(source))
+    return f"{origin[0]}@{origin[1]}" if origin else Path(source).name or source
 
 
 def _toml_value(v) -> str:

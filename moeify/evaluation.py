@@ -7,8 +7,12 @@ Windows follow the standard sliding-window method: window j covers tokens [j·st
 scores only the tokens no earlier window scored (with stride = seq_len: every token but the window's first).
 Routing statistics count every token exactly once (the new tokens of each window).
 
-Pure maths (routing statistics, oracle top-k) are plain functions the tests call directly; the text, its tokens and
-the windows are moeify.text's.
+Generation health (with `--tasks`): greedy continuations of the same prompts from the text (GEN_PROMPTS prompts of
+GEN_PROMPT_TOKENS tokens, GEN_NEW_TOKENS new tokens each) and the share of their n-grams that repeat. Task accuracy is
+moeify.tasks' (lm-eval), run on each model while it is loaded (evaluate's `visit`).
+
+Pure maths (routing statistics, oracle top-k, mean ± SE and paired differences, repeated n-grams) are plain functions
+the tests call directly; the text, its tokens and the windows are moeify.text's.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +35,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_MAX_SEQ_LEN = 2048
 COLLAPSE_SHARE = 0.01  # an expert that receives < 1% of tokens counts as collapsed
+GEN_PROMPTS, GEN_PROMPT_TOKENS, GEN_NEW_TOKENS, GEN_NGRAM = 16, 32, 64, 4  # generation health
 
 Progress = Callable[[str, int, int], None]  # (model label, windows done, windows total)
 
@@ -45,6 +50,7 @@ class EvalSettings:
     dtype: str = "auto"  # auto (bfloat16 on cuda, float32 on cpu) | bfloat16 | float16 | float32
     oracle: bool = True  # also score router top-k against the top-k by true expert output norm
     kl: bool = True  # also the mean KL(first model || model) of the next-token distributions
+    generation: bool | None = None  # also the repeated n-grams of greedy continuations of prompts from the text
 
 
 # ------------------------------------------------------------------------------------ routing (pure)
@@ -131,6 +137,56 @@ def oracle_topk(hidden, gate_up_proj, down_proj, act_fn, top_k: int) -> torch.Te
     return expert_output_norms(hidden, gate_up_proj, down_proj, act_fn).topk(top_k, dim=-1).indices
 
 
+# ------------------------------------------------------------------------ statistics and generation (pure)
+
+
+def mean_and_se(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and its standard error, sample sd / sqrt(n) (lm-eval's mean_stderr; 0 for a single value)."""
+    n = len(values)
+    if n == 0:
+        raise ValueError("mean_and_se of no values")
+    mean = math.fsum(values) / n
+    if n == 1:
+        return mean, 0.0
+    return mean, math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1) / n)
+
+
+def paired_difference(reference: Sequence[float], other: Sequence[float]) -> tuple[float, float]:
+    """mean(other − reference) over the same items, and its paired SE: sd of the per-item differences / sqrt(n)
+    (smaller than the two SEs combined when the models get the same items right)."""
+    if len(reference) != len(other):
+        raise ValueError(f"paired_difference needs the same items: {len(reference)} vs {len(other)} values")
+    return mean_and_se([b - a for a, b in zip(reference, other)])
+
+
+def repeated_ngram_share(tokens: Sequence[int], n: int = GEN_NGRAM) -> float:
+    """Share of a sequence's n-grams that repeat an earlier n-gram of it: 1 − distinct / all (rep-n of Welleck et
+    al. 2019, "Neural text degeneration with unlikelihood training"); 0 when it has no n-gram."""
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    return 1 - len(set(grams)) / len(grams) if grams else 0.0
+
+
+def generation_prompts(ids: torch.Tensor, n: int = GEN_PROMPTS, length: int = GEN_PROMPT_TOKENS) -> torch.Tensor:
+    """(n, length): n prompts spread evenly over the text's tokens (fewer when it is short)."""
+    count = min(n, len(ids) // length)
+    if count == 0:
+        raise MoeifyError(f"the text has {len(ids)} tokens: too few for a generation prompt of {length}",
+                          "give more text with --data")
+    step = len(ids) // count
+    return torch.stack([ids[i * step:i * step + length] for i in range(count)])
+
+
+@torch.no_grad()
+def greedy_repetition(model, prompts: torch.Tensor, new_tokens: int = GEN_NEW_TOKENS, n: int = GEN_NGRAM) -> list[float]:
+    """Each prompt's greedy continuation of `new_tokens` tokens (end-of-text suppressed, so each has all of them):
+    its share of repeated n-grams."""
+    device = next(model.parameters()).device
+    out = model.generate(prompts.to(device), attention_mask=torch.ones_like(prompts, device=device), do_sample=False,
+                         max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
+                         temperature=None, top_p=None, top_k=None)
+    return [repeated_ngram_share(row[prompts.shape[1]:].tolist(), n) for row in out.cpu()]
+
+
 # ------------------------------------------------------------------------------------------- models
 
 
@@ -189,6 +245,7 @@ class ModelResult:
     top_k: int | None = None
     routing: list[LayerRouting] | None = None
     kl: float | None = None  # mean KL(reference || this model) of the next-token distributions over the scored tokens
+    generation: dict | None = None  # repeated n-grams of greedy continuations (mean ± SE; to the reference, paired)
 
 
 @dataclass
@@ -196,9 +253,11 @@ class EvalResult:
     data: dict
     settings: dict
     models: list[ModelResult] = field(default_factory=list)
+    tasks: dict | None = None  # task accuracy (moeify.tasks.compare_tasks), with --tasks
 
     def to_json(self) -> dict:
-        return {"data": self.data, "settings": self.settings, "models": [asdict(m) for m in self.models]}
+        return {"data": self.data, "settings": self.settings, "models": [asdict(m) for m in self.models],
+                **({"tasks": self.tasks} if self.tasks is not None else {})}
 
 
 class _RouterHooks:
@@ -365,8 +424,10 @@ def _check_settings(s: EvalSettings, context: int | None, context_path: Path | N
 
 
 def evaluate(model_paths: list[str | Path], data: str | Path | None = None, settings: EvalSettings = EvalSettings(),
-             progress: Progress | None = None) -> EvalResult:
-    """Perplexity of every model on the same tokens and windows; routing statistics for MoE models."""
+             progress: Progress | None = None, visit: Callable[[object, Path, str], None] | None = None) -> EvalResult:
+    """Perplexity of every model on the same tokens and windows; routing statistics for MoE models; with
+    settings.generation, the repeated n-grams of greedy continuations. visit(model, path, label) is called with
+    each loaded model before it is freed (moeify.api runs the tasks there)."""
     paths = [Path(p) for p in model_paths]
     if not paths:
         raise MoeifyError("no model given", "moeify eval path/to/dense out/llama-moe")
@@ -384,6 +445,7 @@ def evaluate(model_paths: list[str | Path], data: str | Path | None = None, sett
     if len(ids) < 2:
         raise MoeifyError(f"--data {label} has {len(ids)} token(s): nothing to score", "give more text")
     windows = make_windows(len(ids), seq_len, stride)
+    prompts = generation_prompts(ids) if settings.generation else None
 
     result = EvalResult(
         data={"source": label, "chars": len(text), "tokens": len(ids), "windows": len(windows),
@@ -392,12 +454,15 @@ def evaluate(model_paths: list[str | Path], data: str | Path | None = None, sett
                   "batch_size": settings.batch_size, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
                   "oracle": settings.oracle},
     )
+    if prompts is not None:
+        result.settings["generation"] = {"prompts": len(prompts), "prompt_tokens": prompts.shape[1],
+                                         "new_tokens": GEN_NEW_TOKENS, "ngram": GEN_NGRAM}
     ref = None  # the reference's final hidden states and head, for every later model's KL
     for n, (path, config) in enumerate(zip(paths, configs), 1):
         model = _load_model(path, dtype, device)
         t0 = time.perf_counter()
         label = f"{n}/{len(paths)} {path.name}"
-        tick = (lambda done, total, name=label: progress(name, done, total)) if progress else None
+        tick = (lambda done, total, name=label: progress(f"scoring {name}", done, total)) if progress else None
         r = score_model(model, ids, windows, settings.batch_size, settings.oracle, tick,
                         keep_states=settings.kl and n == 1 and len(paths) > 1, ref=ref)
         if r["states"] is not None:
@@ -414,11 +479,21 @@ def evaluate(model_paths: list[str | Path], data: str | Path | None = None, sett
             n_experts=moe[0].n_experts if moe else None, top_k=moe[0].top_k if moe else None, routing=r["routing"],
             kl=r["kl"],
         ))
+        if prompts is not None:
+            result.models[-1].generation = _generation(greedy_repetition(model, prompts), result.models[0].generation)
+        if visit is not None:
+            visit(model, path, label)
         del model, r, moe
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return result
+
+
+def _generation(shares: list[float], reference: dict | None) -> dict:
+    mean, se = mean_and_se(shares)
+    diff, diff_se = paired_difference(reference["per_prompt"], shares) if reference else (None, None)
+    return {"repeated": mean, "se": se, "diff": diff, "diff_se": diff_se, "per_prompt": shares}
 
 
 # -------------------------------------------------------------------------------------------- plotting

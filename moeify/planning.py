@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from .budget import Budget, carve_budget, padded_width
+from .budget import Budget, active_neuron_share, carve_budget, padded_width
 from .errors import MoeifyError
 from .families import SourceModel, read_source_config
 
@@ -70,7 +70,20 @@ class MoePlan:
             "layout": None if self.layout is None else {**dataclasses.asdict(self.layout),
                                                         "quanta": list(self.layout.quanta)},
             "alternatives": self.alternatives,
+            "carved": self.carved_share(),
         }
+
+    def carved_share(self) -> dict:
+        """What `convert` carves (the inference-saving split), as plan, convert and the card say it: the share of
+        the FFN neurons active per token, and the stored (zero-padded to ×8) expert width with the FLOPs it costs."""
+        s, r = self.src, next(r for r in self.regimes if r.name == "inference saving")
+        stored = padded_width(r.expert_width)
+        flops = carve_budget(hidden=s.hidden, d_ff=s.d_ff, n_layers=s.n_layers, other_params=self.other_params,
+                             experts=self.experts, top_k=self.top_k, expert_width=stored,
+                             shared_width=r.shared_width).flops_ratio
+        return {"active_share": active_neuron_share(d_ff=s.d_ff, n_layers=s.n_layers, top_k=self.top_k,
+                                                    expert_width=r.expert_width, shared_width=r.shared_width),
+                "expert_width": r.expert_width, "stored_width": stored, "stored_flops_ratio": flops}
 
     def tuning_memory(self) -> list[dict]:
         """Predicted peak memory per process of recovery tuning (CPU float32; 1-8 GPUs in bf16 with FSDP2)."""

@@ -9,7 +9,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from .config import CALIB_TOKENS_CAP
-from .budget import padded_width
+from .budget import active_neuron_share, padded_width
+from .card import active_share_text
 from .planning import SERVING_RULES, measured_tradeoff, serving_advice, serving_fit
 
 
@@ -86,6 +87,47 @@ def print_eval(console: Console, result) -> None:
                       "top-k by true expert output norm. tok/s: window tokens per second of forward (routing "
                       "statistics excluded). active: parameters used per token. KL: mean KL(reference || model) of the "
                       "next-token distributions over the scored tokens (what tuning minimises).[/]")
+    print_tasks(console, result, labels)
+
+
+def _signed(x: float | None, spec: str = "+.4f") -> str:
+    return "ref" if x is None else format(x, spec)
+
+
+def print_tasks(console: Console, result, labels: list[str]) -> None:
+    """`eval --tasks`: every task's metrics per model (value ± SE, difference to the first model ± paired SE), then
+    the repeated n-grams of greedy continuations; rows that fit 80 columns."""
+    t = result.tasks
+    if t:
+        rows = []
+        for name, task in t["tasks"].items():
+            of = f" of {task['of']:,}" if task.get("of") and task["of"] != task["n"] else ""
+            first = [name, f"{task['n']:,}{of} items"]  # the task's name, then its item count, down its first rows
+            for metric, entries in task["metrics"].items():
+                ppl = metric == "perplexity"
+                for label, e in zip(labels, entries):
+                    diff = ("ref" if e["diff"] is None else f"×{e['diff']:.3f}" if ppl else _signed(e["diff"]))
+                    rows.append([first.pop(0) if first else "", ("ppl" if ppl else metric), label,
+                                 f"{e['value']:.4g}" if ppl else f"{e['value']:.4f}",
+                                 f"{e['se']:.4g}" if ppl else f"{e['se']:.4f}", diff,
+                                 "" if e["diff_se"] is None else f"{e['diff_se']:.4f}"])
+        limit = f", --limit {t['limit']:,}" if t.get("limit") else ""
+        console.print(_table(f"zero-shot tasks (lm-eval {t['lm_eval']}{limit}): the same items for every model",
+                             ["task", "metric", "model", "value", "± SE", f"Δ {labels[0]}", "± paired"],
+                             rows, left=(0, 1, 2)))
+        console.print(f"[dim]Δ {labels[0]}: the difference to {labels[0]} (ppl: the ratio) and its paired SE (sd of "
+                      "the per-item differences / √n). acc_norm: choices scored per character of their text; ppl: "
+                      "LAMBADA's perplexity of the last word, acc: its greedy prediction.[/]", highlight=False)
+    gen = [m.generation for m in result.models]
+    if all(gen):
+        g = result.settings["generation"]
+        rows = [[label, f"{x['repeated']:.3f}", f"{x['se']:.3f}", _signed(x["diff"], "+.3f"),
+                 "" if x["diff_se"] is None else f"{x['diff_se']:.3f}"] for label, x in zip(labels, gen)]
+        console.print(_table(f"generation health: {g['prompts']} prompts of {g['prompt_tokens']} tokens, "
+                             f"{g['new_tokens']} greedy new tokens each",
+                             ["model", f"repeated {g['ngram']}-grams", "± SE", f"Δ {labels[0]}", "± paired"], rows))
+        console.print(f"[dim]repeated {g['ngram']}-grams: share of a continuation's {g['ngram']}-grams that repeat "
+                      "an earlier one (0: none; a degenerate model loops).[/]", highlight=False)
 
 
 def _rate(tokens_per_s: float) -> str:
@@ -154,6 +196,9 @@ def print_plan(console: Console, plan, out: Path) -> None:
         t.add_row("dense layers", ", ".join(map(str, cfg.dense_layers)))
     t.add_row("total params", f"{human_count(b.total_params)} ({b.total_ratio:.3f}× dense)")
     t.add_row("active params / token", f"{human_count(b.active_params)} ({b.active_ratio:.3f}× dense)")
+    share = active_neuron_share(d_ff=src.d_ff, n_layers=src.n_layers, top_k=cfg.top_k, expert_width=plan.expert_width,
+                                shared_width=plan.shared_width, dense_layers=len(cfg.dense_layers) or cfg.dense_auto)
+    t.add_row("FFN active / token", active_share_text(share, plan.expert_width, plan.padded_width, b.flops_ratio))
     t.add_row("FFN FLOPs / token", f"{b.flops_ratio:.3f}× dense")
     t.add_row("output size", f"{human_bytes(plan.output_bytes)} in {len(plan.layout.files)} shard(s)")
     for rule, tp in serving_fit(plan.padded_width):
@@ -311,6 +356,10 @@ def print_moe_plan(console: Console, plan) -> None:
     if plan.layout is not None and plan.layout.resolved:
         console.print(f"[bold]preset layout:[/] {escape(plan.layout.spec())}\n[bold]resolved:[/] "
                       f"{escape(plan.layout.resolved)}", highlight=False)
+    c = plan.carved_share()
+    console.print(f"[bold]convert carves:[/] FFN active per token: "
+                  f"{active_share_text(c['active_share'], c['expert_width'], c['stored_width'], c['stored_flops_ratio'])}",
+                  highlight=False)
     if plan.alternatives:
         print_alternatives(console, plan.alternatives)
     notes = ["expert width: neurons per routed expert (max capacity d_ff, constant compute d_ff/(k+S), inference saving "

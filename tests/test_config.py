@@ -60,3 +60,36 @@ def test_convert_with_a_preset_and_weight_only_says_what_it_replaced(tmp_path):
     assert "note: --weight-only: the preset's method" in " ".join(res.output.split())
     toml = (tmp_path / "out" / "moeify.toml").read_text()
     assert 'method = "gate-cluster"' in toml and "tune_tokens = 0" in toml and "shared = 8" in toml
+
+
+def test_the_recipe_names_files_portably_and_still_works_as_a_preset(tmp_path, monkeypatch, tokenizer_dir):
+    """OUT/moeify.toml and the card name the bundled sample as bundled:NAME, the user's files and the source by name
+    alone (no folder of this machine); used again as a preset it finds the files (here, or where report.json says
+    they were: `moeify tune OUT` runs from any directory)."""
+    from conftest import build_dense, corpus_text
+
+    from moeify.api import convert
+    from moeify.config import BUNDLED_CALIB, load_preset
+
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "mine.txt").write_text(corpus_text(4000))
+    src = build_dense(tmp_path / "dense", tokenizer_dir)
+    monkeypatch.chdir(tmp_path)
+    for name, calib in (("own", [Path("texts/mine.txt")]), ("bundled", None)):
+        convert(src, tmp_path / name, experts=4, top_k=2, calib=calib, calib_tokens=256, calib_seq_len=64, tune=False)
+    own, bundled = ((tmp_path / n / "moeify.toml").read_text() for n in ("own", "bundled"))
+    assert 'calib = ["mine.txt"]' in own and 'calib = ["bundled:calib_sample.txt"]' in bundled
+    assert 'source = "dense"' in own
+    for out in ("own", "bundled"):
+        for f in ("moeify.toml", "README.md"):
+            assert str(tmp_path) not in (tmp_path / out / f).read_text(), (out, f)
+    monkeypatch.chdir(tmp_path / "texts")  # elsewhere: the name is found here, or from report.json
+    assert build_config(tmp_path / "own" / "moeify.toml").calib == (str(tmp_path / "texts" / "mine.txt"),)
+    monkeypatch.chdir(tmp_path / "dense")
+    assert build_config(tmp_path / "own" / "moeify.toml").calib == (str(tmp_path / "texts" / "mine.txt"),)
+    assert build_config(tmp_path / "bundled" / "moeify.toml").calib == (str(BUNDLED_CALIB),)
+    copy = tmp_path / "recipe.toml"  # a recipe without its output beside it: names as written
+    copy.write_text(own)
+    assert load_preset(copy)["calib"] == ["mine.txt"]
+    with pytest.raises(MoeifyError, match="bundled:nope.txt: moeify ships no such text"):
+        build_config(experts=4, top_k=2, calib=["bundled:nope.txt"])

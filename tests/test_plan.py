@@ -313,3 +313,24 @@ def test_presets_name_every_engine_and_every_engine_runs_them(tmp_path, tokenize
         assert plan["settings"]["top_k"] <= LLAMACPP_MAX_TOPK
         assert not [e for e in plan["engines"] if e["fails"]], (preset, plan["engines"])
         assert not (tmp_path / "out").exists()
+
+
+def test_active_share_is_one_number_in_plan_convert_and_card(tmp_path):
+    """The bundled tiny model's 50% preset: 15 shared + top-15 of 45 experts of 12 neurons, stored zero-padded to 16.
+    plan, convert's plan and the card all say 50.0% of the neurons, and the padding's 60.4% of the FLOPs apart."""
+    from pathlib import Path
+
+    from moeify.api import convert, plan
+
+    tiny = Path(__file__).resolve().parents[1] / "examples" / "tiny-llama"
+    said = "50.0% of the dense FFN's neurons; experts of 12 neurons are stored zero-padded to 16 (exact), so a token " \
+           "computes 60.4% of the dense FFN's FLOPs, routers included"
+    carved = plan(tiny, preset="active-50").carved_share()
+    assert carved["active_share"] == pytest.approx(0.5) and (carved["expert_width"], carved["stored_width"]) == (12, 16)
+    planned = CliRunner().invoke(app, ["plan", str(tiny), "--preset", "active-50"])
+    converted = CliRunner().invoke(app, ["convert", str(tiny), str(tmp_path / "x"), "--preset", "active-50", "--dry-run"])
+    for res in (planned, converted):
+        assert res.exit_code == 0 and said in " ".join(res.output.replace("│", " ").split()), res.output
+    convert(tiny, tmp_path / "moe", preset="active-50", weight_only=True)
+    assert f"| FFN active per token | {said} |" in (tmp_path / "moe" / "README.md").read_text()
+    assert "pypi.org" not in (tmp_path / "moe" / "README.md").read_text()  # no link to an index page that is not there

@@ -76,9 +76,11 @@ def _missing_calib(src, out, tmp, tok):
 
 
 def _moved_calib(src, out, tmp, tok):  # the output's own calibration text, gone since
-    text = (out / "moeify.toml").read_text()
-    calib = CALIB["calib"][0]
-    (out / "moeify.toml").write_text(text.replace(calib, str(tmp / "gone.txt")))
+    calib = CALIB["calib"][0]  # moeify.toml names it by name, report.json records where it was
+    for name, old, new in (("moeify.toml", Path(calib).name, "gone.txt"), ("report.json", calib, str(tmp / "gone.txt"))):
+        text = (out / name).read_text()
+        assert old in text
+        (out / name).write_text(text.replace(old, new))
     return src, out, []
 
 
