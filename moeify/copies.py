@@ -118,17 +118,19 @@ def copy_orders(routed: torch.Tensor, copies: int, permute: bool, generator: tor
     return [routed] + [routed[torch.randperm(len(routed), generator=generator)] for _ in range(copies - 1)]
 
 
+def copy_expert(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, idx: torch.Tensor,
+                factor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One expert of the neurons idx: (gate (w, d_model), up (w, d_model), down (d_model, w) × factor, computed in
+    float32), new tensors in the source dtype."""
+    return gate[idx], up[idx], (down[:, idx].float() * factor).to(down.dtype)
+
+
 def copy_experts(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, orders: list[torch.Tensor],
                  layout: UpcycleLayout, factor: float) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(gate (w, d_model), up (w, d_model), down (d_model, w)) of the N = E·G experts, expert e·G + s being slice s
-    of copy e (neurons orders[e][s·w:(s+1)·w]); down_proj × factor, computed in float32, in the source dtype."""
+    """The N = E·G experts, expert e·G + s being slice s of copy e (neurons orders[e][s·w:(s+1)·w])."""
     w = layout.expert_width
-    out = []
-    for order in orders:
-        for s in range(layout.granularity):
-            idx = order[s * w:(s + 1) * w]
-            out.append((gate[idx].clone(), up[idx].clone(), (down[:, idx].float() * factor).to(down.dtype)))
-    return out
+    return [copy_expert(gate, up, down, order[s * w:(s + 1) * w], factor)
+            for order in orders for s in range(layout.granularity)]
 
 
 def shared_expert(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, idx: torch.Tensor,
@@ -154,7 +156,7 @@ def drop_reinit(expert: tuple[torch.Tensor, torch.Tensor, torch.Tensor], share: 
     a drawn column has the size of its neighbours). Returns (the new expert, neurons drawn)."""
     gate, up, down = expert
     w = gate.shape[0]
-    n = int(round(share * w))
+    n = drop_count(share, w)
     if n == 0:
         return expert, 0
     idx = torch.randperm(w, generator=generator)[:n]
@@ -164,6 +166,11 @@ def drop_reinit(expert: tuple[torch.Tensor, torch.Tensor, torch.Tensor], share: 
     up[idx] = (torch.randn(n, up.shape[1], generator=generator) * us + um).to(up.dtype)
     down[:, idx] = (torch.randn(down.shape[0], n, generator=generator) * ds + dm).to(down.dtype)
     return (gate, up, down), n
+
+
+def drop_count(share: float, width: int) -> int:
+    """Neurons Drop-Upcycling re-initialises in an expert of `width`."""
+    return int(round(share * width))
 
 
 def add_noise(expert: tuple[torch.Tensor, torch.Tensor, torch.Tensor], scale: float,
@@ -184,6 +191,7 @@ def matrix_stats(t: torch.Tensor) -> tuple[float, float]:
     return mean, math.sqrt(max(x.var(unbiased=False).item(), 0.0))
 
 
-__all__ = ["BREAKS", "UpcycleLayout", "divisors", "shared_neurons", "routed_neurons", "copy_orders", "copy_experts",
+__all__ = ["BREAKS", "UpcycleLayout", "divisors", "shared_neurons", "routed_neurons", "copy_orders", "copy_expert",
+           "copy_experts", "drop_count",
            "shared_expert", "group_router", "random_router", "drop_reinit", "add_noise", "matrix_stats",
            "SHARED_GATE_FACTOR"]

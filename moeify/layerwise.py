@@ -14,7 +14,7 @@ import inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,7 @@ from .families import SourceModel, family_classes
 MOE_CLASSES = {"mixtral": ("MixtralConfig", "MixtralDecoderLayer", "MixtralRotaryEmbedding"),
                "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeDecoderLayer", "Qwen2MoeRotaryEmbedding"),
                "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeDecoderLayer", "Qwen3MoeRotaryEmbedding")}
-ExpertOverride = Callable[[int], "list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None"]
+ExpertOverride = Callable[[int], "Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None"]  # len + iter
 
 
 @dataclass
@@ -53,9 +53,26 @@ class LayerStack:
     def layer(self, i: int) -> torch.nn.Module:
         with torch.device("meta"):
             layer = self.layer_cls(self.config, i)
-        state = {k: self._tensor(i, k).float() for k in layer.state_dict()}  # (float32 already: no copy)
+        keys = list(layer.state_dict())
+        state = {}
+        if self.fmt is not None and "mlp.experts.gate_up_proj" in keys:
+            state["mlp.experts.gate_up_proj"], state["mlp.experts.down_proj"] = self._fused_experts(i)
+        state.update({k: self._tensor(i, k).float() for k in keys if k not in state})
         layer.load_state_dict(state, assign=True)
         return layer.eval()
+
+    def _fused_experts(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up (E, 2w, d_model), down (E, d_model, w)) float32, as transformers fuses the per-expert tensors
+        on load, filled one expert at a time (from the files, or from expert_override)."""
+        block = f"model.layers.{i}." + ("block_sparse_moe." if self.fmt == "mixtral" else "mlp.")
+        experts = (self.expert_override(i) if self.expert_override else None) or self._experts(block)
+        gate_up = down = None
+        for e, (g, u, d) in enumerate(experts):
+            if gate_up is None:
+                gate_up = torch.empty(len(experts), 2 * g.shape[0], g.shape[1])
+                down = torch.empty(len(experts), *d.shape)
+            gate_up[e, :g.shape[0]], gate_up[e, g.shape[0]:], down[e] = g, u, d  # gate rows, then up rows
+        return gate_up, down
 
     def _tensor(self, i: int, key: str) -> torch.Tensor:
         p = f"model.layers.{i}."
@@ -63,17 +80,6 @@ class LayerStack:
             return self.get(p + key)
         block = p + ("block_sparse_moe." if self.fmt == "mixtral" else "mlp.")
         sub = key.removeprefix("mlp.")
-        if sub in ("experts.gate_up_proj", "experts.down_proj"):
-            experts = (self.expert_override(i) if self.expert_override else None) or self._experts(block)
-            g0, _, d0 = experts[0]
-            down = sub == "experts.down_proj"  # filled expert by expert: no second float copy of the layer
-            out = torch.empty((len(experts), *d0.shape) if down else (len(experts), 2 * g0.shape[0], g0.shape[1]))
-            for e, (g, u, d) in enumerate(experts):
-                if down:
-                    out[e] = d  # (d_model, w)
-                else:
-                    out[e, :g.shape[0]], out[e, g.shape[0]:] = g, u  # (2w, d_model): gate rows, then up rows
-            return out
         if block + sub in self.reader.tensors:  # router, shared expert, shared gate
             return self.reader.get(block + sub)
         return self.reader.get(p + key)  # a dense layer of a Qwen2-MoE / Qwen3-MoE (mlp_only_layers)

@@ -14,7 +14,6 @@ import json
 import math
 import shutil
 import time
-import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -23,7 +22,8 @@ import torch
 
 from .card import copy_licence, write as write_card
 from .checkpoint import DTYPE_NAMES, PARTIAL_SUFFIX, CheckpointReader, TensorInfo, check_links
-from .copies import (BREAKS, SHARED_GATE_FACTOR, UpcycleLayout, add_noise, copy_experts, copy_orders, drop_reinit,
+from .copies import (BREAKS, SHARED_GATE_FACTOR, UpcycleLayout, add_noise, copy_expert, copy_orders, drop_count,
+                     drop_reinit,
                      group_router, matrix_stats, random_router, routed_neurons, shared_expert, shared_neurons)
 from .errors import MoeifyError
 from .families import (TOKENIZER_FILES, SourceModel, attention_infos, check_source_tensors, ffn_tensor_names,
@@ -246,11 +246,28 @@ def _output_tensors(src: SourceModel, headers: dict[str, TensorInfo], fmt: str, 
 # ------------------------------------------------------------------------------------------------ one layer
 
 
+class LazyExperts:
+    """A layer's experts made one at a time, in order, when iterated (writing holds the one being written, not all
+    N); each is deterministic in (seed, layer, expert), so any pass gives the same tensors."""
+
+    def __init__(self, make, n: int):
+        self._make, self._n = make, n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self):
+        return (self._make(e) for e in range(self._n))
+
+    def cast(self, dtype: torch.dtype) -> "LazyExperts":
+        return LazyExperts(lambda n: tuple(t.to(dtype) for t in self._make(n)), self._n)
+
+
 @dataclass
 class LayerExperts:
     """One layer's upcycled FFN: routed experts (gate, up, down), router rows, the shared expert and what was done."""
 
-    experts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    experts: LazyExperts
     router: torch.Tensor  # (N, d_model)
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     report: dict
@@ -270,34 +287,40 @@ def layer_experts(plan: UpcyclePlan, i: int, ffns: list[tuple[torch.Tensor, torc
     gate, up, down = ffns[0]
     shared_idx = shared_neurons(gate, up, down, lay.shared_width)
     orders = copy_orders(routed_neurons(lay.d_ff, shared_idx), lay.copies, s.symmetry == "permute", gen)
-    experts = []
-    for e, (g_e, u_e, d_e) in enumerate(ffns):
-        one = dataclasses.replace(lay, copies=1)
-        experts += copy_experts(g_e, u_e, d_e, orders[e:e + 1], one, lay.granularity)
-    report: dict = {"layer": i, "symmetry": s.symmetry}
-    if broken and s.symmetry == "drop":
-        g = lay.granularity
+    g, w = lay.granularity, lay.expert_width
+    symmetry = s.symmetry if broken else "none"
+    if symmetry == "drop":
         stats = (matrix_stats(gate), matrix_stats(up), tuple(v * g for v in matrix_stats(down)))
-        drawn = []
-        for e, ex in enumerate(experts):
-            experts[e], n = drop_reinit(ex, s.drop_share, stats, gen)
-            drawn.append(n)
-        report["reinitialised_neurons"] = drawn
-    elif broken and s.symmetry == "noise":
-        stds = (matrix_stats(gate)[1], matrix_stats(up)[1], matrix_stats(down)[1] * lay.granularity)
-        experts = [add_noise(ex, s.noise_scale, stds, gen) for ex in experts]
+    elif symmetry == "noise":
+        stds = (matrix_stats(gate)[1], matrix_stats(up)[1], matrix_stats(down)[1] * g)
+
+    def make(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        copy, part = divmod(n, g)
+        expert = copy_expert(*ffns[copy], orders[copy][part * w:(part + 1) * w], g)
+        own = torch.Generator().manual_seed((s.seed * 1_000_003 + i) * 4099 + n)  # this expert's draws alone
+        if symmetry == "drop":
+            return drop_reinit(expert, s.drop_share, stats, own)[0]
+        if symmetry == "noise":
+            return add_noise(expert, s.noise_scale, stds, own)
+        return expert
+
+    report: dict = {"layer": i, "symmetry": s.symmetry}
+    if symmetry == "drop":
+        report["reinitialised_neurons"] = [drop_count(s.drop_share, w)] * lay.n_experts
     shared = shared_expert(gate, up, down, shared_idx, SHARED_GATE_FACTOR) if lay.shared_width else None
     if lay.shared_width:
         report["shared_neurons"] = shared_idx.tolist()
-    return LayerExperts(experts, router, shared, report)
+    return LayerExperts(LazyExperts(make, lay.n_experts), router, shared, report)
 
 
-def _ffn_tensors(plan: UpcyclePlan, i: int, le: LayerExperts) -> dict[str, torch.Tensor]:
+def _ffn_tensors(plan: UpcyclePlan, i: int, le: LayerExperts):
+    """(name, tensor) of layer i's FFN in the order the plan lists them, each expert made as it is reached."""
     dtype, h = plan.out_dtype, plan.src.hidden
     names = iter(ffn_tensor_names(plan.fmt, i, plan.layout.n_experts, dense=False, shared=plan.layout.shared_width > 0))
-    out = {next(names): le.router.to(dtype)}
+    yield next(names), le.router.to(dtype)
     for g, u, d in le.experts:
-        out[next(names)], out[next(names)], out[next(names)] = g.to(dtype), u.to(dtype), d.to(dtype)
+        for t in (g, u, d):
+            yield next(names), t.to(dtype)
     if plan.fmt == "qwen2_moe":
         if le.shared is None:
             empty = torch.zeros(0, h, dtype=dtype)
@@ -305,9 +328,8 @@ def _ffn_tensors(plan: UpcyclePlan, i: int, le: LayerExperts) -> dict[str, torch
         else:
             shared = tuple(t.to(dtype) for t in le.shared)
         for t in shared:
-            out[next(names)] = t
-        out[next(names)] = torch.full((1, h), SHARED_GATE_MIN, dtype=dtype)  # sigmoid ~ 1/2; never 0 (llama.cpp)
-    return out
+            yield next(names), t
+        yield next(names), torch.full((1, h), SHARED_GATE_MIN, dtype=dtype)  # sigmoid ~ 1/2; never 0 (llama.cpp)
 
 
 # ------------------------------------------------------------------------------------------------ running
@@ -380,7 +402,7 @@ def _write_tensors(plan: UpcyclePlan, writer, progress: Progress | None) -> list
             plan.reader.prefetch(plan.reader.layer_tensors(i + 1))
         write_attention(writer, reader, src, plan.fmt, i, dtype)
         le = layer_experts(plan, i, plan.ffns(i))
-        for name, t in _ffn_tensors(plan, i, le).items():
+        for name, t in _ffn_tensors(plan, i, le):
             writer.write(name, t)
         layers.append(le.report)
         del le
@@ -406,7 +428,7 @@ def check_output(plan: UpcyclePlan, out_dir: Path, progress: Progress | None = N
         def experts(i: int):
             ffns = plan.ffns(i)
             ffns = [ffns[0]] * len(ffns) if base_only else ffns
-            return [tuple(t.to(plan.out_dtype) for t in ex) for ex in layer_experts(plan, i, ffns, broken).experts]
+            return layer_experts(plan, i, ffns, broken).experts.cast(plan.out_dtype)  # as the output holds them
         return experts
 
     dense = source_stack(src, src_reader, plan.out_dtype)  # the source as the output's dtype holds it

@@ -107,8 +107,8 @@ def test_a_construction_that_is_not_exact_is_refused_and_nothing_is_written(tmp_
     src = build_dense(tmp_path / "dense")
     import moeify.upcycling as up
 
-    real = up.copy_experts
-    monkeypatch.setattr(up, "copy_experts", lambda g, u, d, orders, lay, factor: real(g, u, d, orders, lay, 1.5))
+    real = up.copy_expert
+    monkeypatch.setattr(up, "copy_expert", lambda g, u, d, idx, factor: real(g, u, d, idx, 1.5))
     with pytest.raises(RuntimeError, match="upcycle check failed"):
         upcycle(src, tmp_path / "moe", copies=2, top_k=2, granularity=2)
     assert not (tmp_path / "moe").exists() and not list(tmp_path.glob("moe.*"))
@@ -160,14 +160,18 @@ def test_an_existing_output_is_refused_before_the_plan(tmp_path):
     assert result.exit_code == 2 and "already exists" in result.stderr and "upcycle" not in result.stdout
 
 
-def test_dry_run_prices_the_layout_and_writes_nothing(tmp_path):
-    src = build_dense(tmp_path / "dense")
+def test_dry_run_prices_the_layout_from_config_alone_and_writes_nothing(tmp_path):
+    build_dense(tmp_path / "dense")
+    src = tmp_path / "config-only"
+    src.mkdir()
+    (src / "config.json").write_bytes((tmp_path / "dense" / "config.json").read_bytes())  # no weights: a Hub id's plan
     result = cli("upcycle", src, tmp_path / "moe", "--copies", "8", "--granularity", "2", "--top-k", "2", "--dry-run",
                  "--json", tmp_path / "plan.json")
     assert result.exit_code == 0, result.output
     plan = read_json(tmp_path / "plan.json")
     assert plan["experts"] == 16 and plan["expert_width"] == 48 and plan["ffn_params_ratio"] == 8
     assert plan["ffn_flops_ratio"] == 1 and not plan["exact"]  # the default symmetry: drop
+    assert plan["training_state_bytes"] == 16 * plan["total_params"] and plan["output_bytes"] == 4 * plan["total_params"]
     assert "x8.00 dense" in result.stdout and not (tmp_path / "moe").exists()
     table = [line for line in result.stdout.splitlines() if line[:1] in "┌│└"]
     assert len(table) >= 9 and all(len(line) <= 80 for line in table)
