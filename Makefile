@@ -6,6 +6,8 @@ STAMP   := $(VENV)/.installed
 MODEL   ?= examples/tiny-llama
 OUT     ?= out/tiny-llama-moe
 EVAL_TOKENS ?= 8192
+# pytest-xdist workers: one more than the cores, as many tests wait on subprocesses, timeouts and the disk
+TEST_WORKERS ?= $(shell $(PY) -c 'import os; print((os.cpu_count() or 1) + 1)')
 
 .PHONY: demo test install clean
 
@@ -28,7 +30,7 @@ demo: $(STAMP)
 	$(BIN)/moeify eval $(MODEL) $(OUT)-weights $(OUT) --seq-len 256 --max-tokens $(EVAL_TOKENS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n auto --dist loadfile
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 clean:
 	rm -rf out .pytest_cache
