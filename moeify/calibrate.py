@@ -8,7 +8,6 @@ output) is what the carving statistics, router fitting and down-projection refit
 
 from __future__ import annotations
 
-import inspect
 import json
 from pathlib import Path
 
@@ -127,11 +126,9 @@ class LayerwiseModel:
         return layer.eval()
 
     def _mask(self, h: torch.Tensor):
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+        from .layerwise import causal_mask
 
-        fn = create_sliding_window_causal_mask if getattr(self.config, "sliding_window", None) else create_causal_mask
-        no_cache = {"cache" if "cache" in inspect.signature(fn).parameters else "past_key_values": None}  # 5.24 renamed it
-        return fn(config=self.config, inputs_embeds=h, attention_mask=None, position_ids=self.position_ids, **no_cache)
+        return causal_mask(self.config, h, self.position_ids)
 
     @torch.no_grad()
     def attention(self, layer: torch.nn.Module, hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

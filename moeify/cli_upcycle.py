@@ -48,6 +48,27 @@ def _print_plan(out_console, plan, out: Path) -> None:
                           soft_wrap=True)
 
 
+def _print_result(shown, report: dict, out: Path, json_dest: Optional[str]) -> None:
+    """What the end-of-run check measured, where the output is, and --json."""
+    c = report["check"]
+    if c.get("exact_model"):
+        shown.print(f"[green]checked[/] {escape(c['exact_model'])} against {escape(Path(report['source']).name)}: max "
+                    f"|logit difference| {c['max_logit_diff']:.3g} (max |logit| {c['logit_scale']:.3g})",
+                    highlight=False, soft_wrap=True)
+    shown.print(f"as written: KL to {escape(Path(report['source']).name)} {c['kl_to_source']:.4g} nats; "
+                f"{report['experts']} experts of {report['expert_width']} neurons, top-{report['top_k']}",
+                highlight=False, soft_wrap=True)
+    shown.print(f"[bold green]wrote[/] {escape(str(out))} in {report['seconds']:.1f} s (check "
+                f"{c.get('seconds', 0):.1f} s)", highlight=False)
+    if json_dest:
+        write_json(report, json_dest)
+
+
+def _interrupted() -> None:
+    console.print("[bold red]interrupted[/]: the partial output was removed; nothing was left behind")
+    raise typer.Exit(130)
+
+
 def upcycle_cmd(
     src: Path = typer.Argument(..., help="Dense checkpoint: a directory or a Hugging Face Hub id, org/name[@revision]."),
     out: Path = typer.Argument(..., help="Output directory (must not exist unless --overwrite)."),
@@ -126,18 +147,11 @@ def upcycle_cmd(
         with progress_bars() as bar:
             report = run_upcycle_plan(plan, out, overwrite=overwrite, progress=stage_callback(bar),
                                       check_text=check_text, check_tokens=check_tokens)
-        c = report["check"]
-        shown.print(f"[green]checked[/] {escape(c['exact_model'])} against {escape(plan.src.path.name)}: max |logit "
-                    f"difference| {c['max_logit_diff']:.3g} (max |logit| {c['logit_scale']:.3g}); as written, KL to "
-                    f"the source {c['kl_to_source']:.4g} nats", highlight=False, soft_wrap=True)
-        shown.print(f"[bold green]wrote[/] {escape(str(out))} in {report['seconds']:.1f} s", highlight=False)
-        if json_dest:
-            write_json(report, json_dest)
+        _print_result(shown, report, out, json_dest)
     except MoeifyError as exc:
         fail(exc)
     except KeyboardInterrupt:
-        console.print("[bold red]interrupted[/]: the partial output was removed; nothing was left behind")
-        raise typer.Exit(130)
+        _interrupted()
 
 
 def merge_cmd(
@@ -185,21 +199,11 @@ def merge_cmd(
                            router_tokens=router_tokens, format=format, dtype=dtype, max_shard_size=max_shard_size,
                            seed=seed, check_text=check_text, allow_pickle=allow_pickle, overwrite=overwrite,
                            progress=stage_callback(bar))
-        shown = tables(json_dest)
-        c = report["check"]
-        if c.get("exact_model"):
-            shown.print(f"[green]checked[/] {escape(c['exact_model'])} against the base: max |logit difference| "
-                        f"{c['max_logit_diff']:.3g} (max |logit| {c['logit_scale']:.3g})", highlight=False)
-        shown.print(f"KL of the merge to the base {c['kl_to_source']:.4g} nats; {report['experts']} experts of "
-                    f"{report['expert_width']} neurons, top-{report['top_k']}", highlight=False)
-        shown.print(f"[bold green]wrote[/] {escape(str(out))} in {report['seconds']:.1f} s", highlight=False)
-        if json_dest:
-            write_json(report, json_dest)
+        _print_result(tables(json_dest), report, out, json_dest)
     except MoeifyError as exc:
         fail(exc)
     except KeyboardInterrupt:
-        console.print("[bold red]interrupted[/]: the partial output was removed; nothing was left behind")
-        raise typer.Exit(130)
+        _interrupted()
 
 
 __all__ = ["upcycle_cmd", "merge_cmd"]

@@ -122,7 +122,8 @@ def moe_stack(out: Path, reader: CheckpointReader, expert_override: ExpertOverri
                       bool(config.tie_word_embeddings), fmt, int(n), expert_override)
 
 
-def _mask(config, h: torch.Tensor, position_ids: torch.Tensor):
+def causal_mask(config, h: torch.Tensor, position_ids: torch.Tensor):
+    """The config's causal (or sliding-window) mask for hidden states h, as its model builds it without a cache."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     fn = create_sliding_window_causal_mask if getattr(config, "sliding_window", None) else create_causal_mask
@@ -139,7 +140,7 @@ def stream_hidden(stacks: list[LayerStack], ids: torch.Tensor,
     position_ids = torch.arange(ids.shape[1]).unsqueeze(0)
     hidden = [s.embed(ids) for s in stacks]
     rotary = [s.rotary_cls(s.config) for s in stacks]
-    masks = [_mask(s.config, h, position_ids) for s, h in zip(stacks, hidden)]
+    masks = [causal_mask(s.config, h, position_ids) for s, h in zip(stacks, hidden)]
     n_layers = stacks[0].n_layers
     for i in range(n_layers):
         for j, s in enumerate(stacks):
@@ -189,5 +190,5 @@ def kl_to_reference(ref: LayerStack, ref_final: torch.Tensor, other: LayerStack,
     return total / a.shape[0]
 
 
-__all__ = ["LayerStack", "source_stack", "moe_stack", "stream_hidden", "logits", "max_logit_diff", "kl_to_reference",
+__all__ = ["causal_mask", "LayerStack", "source_stack", "moe_stack", "stream_hidden", "logits", "max_logit_diff", "kl_to_reference",
            "MOE_CLASSES"]

@@ -23,8 +23,8 @@ import torch
 from .card import copy_licence, write as write_card
 from .checkpoint import DTYPE_NAMES, PARTIAL_SUFFIX, CheckpointReader, TensorInfo, check_links
 from .copies import (BREAKS, SHARED_GATE_FACTOR, UpcycleLayout, add_noise, copy_expert, copy_orders, drop_count,
-                     drop_reinit,
-                     group_router, matrix_stats, random_router, routed_neurons, shared_expert, shared_neurons)
+                     drop_reinit, group_router, matrix_stats, random_router, routed_neurons, shared_expert,
+                     shared_neurons)
 from .errors import MoeifyError
 from .families import (TOKENIZER_FILES, SourceModel, attention_infos, check_source_tensors, ffn_tensor_names,
                        load_source, target_config)
@@ -36,7 +36,7 @@ from .writer import (BackgroundWriter, ShardLayout, ShardWriter, check_free_spac
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 FORMATS = ("auto", "mixtral", "qwen2_moe", "qwen3_moe")
 CHECK_RTOL = 1e-3  # max |logit difference| allowed, relative to max |source logit| (as `moeify verify`)
-CHECK_SEQ = 32  # tokens of each of the 2 random sequences of the exactness check
+CHECK_SEQ = 32  # tokens of each of the 2 random sequences the check runs when the source has no tokenizer
 READ_BACK_BYTES = 16 << 30  # outputs up to this size are checked from the files; larger ones from regenerated experts
 WRITE_AHEAD_BYTES = 512 << 20
 # Training the output with AdamW in mixed precision holds, per parameter: bf16 weights and gradients (2 + 2), float32
@@ -354,6 +354,9 @@ def run_upcycle(plan: UpcyclePlan, out: str | Path, *, overwrite: bool = False, 
     check_ids: (n, seq) token windows the model as written is scored on (KL to the source); None: random tokens."""
     out = Path(out)
     src = plan.src
+    if plan.reader is None:
+        raise MoeifyError(f"the plan of {src.path} was made from config.json alone (a dry run) and cannot be written",
+                          "plan it with its weights (weights=True)")
     check_output_path(out, overwrite, src.path)
     check_free_space(out, plan.output_bytes, overwrite)
     tmp = prepare_output(out, overwrite, src.path)
@@ -367,15 +370,17 @@ def run_upcycle(plan: UpcyclePlan, out: str | Path, *, overwrite: bool = False, 
         check_written(tmp, plan.tensors)
         (tmp / "config.json").write_text(json.dumps(plan.config_json, indent=2, sort_keys=True) + "\n")
         check = check_output(plan, tmp, progress, check_ids)
+        check["seconds"] = round(time.time() - t0 - seconds, 3)
         report = _write_metadata(plan, tmp, layers, seconds, check)
         commit_output(tmp, out)
     except BaseException:
         if writer is not None:
             writer.abort()
-        plan.reader.close()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    plan.reader.close()
+    finally:
+        for reader in (plan.reader, *plan.readers):
+            reader.close()
     return report
 
 

@@ -18,15 +18,23 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     os.environ["OMP_NUM_THREADS"] = str(_threads)
     torch.set_num_threads(_threads)
 
-# The files whose tests take minutes run first, so that under `-n auto --dist loadfile` the workers share them and the
-# quick files fill in at the end, instead of one worker finishing a long file alone.
-HEAVY_FIRST = ("test_tune_stage.py", "test_bench_gpu.py", "test_parallel_runs.py", "test_wheel.py", "test_tune.py",
+# Under `-n N --dist loadgroup` (make test) a group's tests run in one worker, in order. A file is one group (its module
+# fixtures, a carved model or a reference torchrun, are built once), except the files whose tests take minutes: their
+# tests are dealt into SPLIT[file] groups, so that no worker is left running one long file alone at the end. Those
+# files run first; the quick ones fill in.
+SPLIT = {"test_bench_gpu.py": 4, "test_tune_stage.py": 3, "test_parallel_runs.py": 2, "test_tune.py": 2}
+HEAVY_FIRST = ("test_bench_gpu.py", "test_tune_stage.py", "test_parallel_runs.py", "test_wheel.py", "test_tune.py",
                "test_tune_steps.py", "test_upcycle.py", "test_tasks.py", "test_front_door.py", "test_reliability.py")
 
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the order within a file is kept
+    seen: dict[str, int] = {}
+    for item in items:
+        name = item.path.name
+        n = seen[name] = seen.get(name, -1) + 1
+        item.add_marker(pytest.mark.xdist_group(f"{name}:{n % SPLIT[name]}" if name in SPLIT else name))
 
 
 # Real English text bundled in the repo (WikiText-2 training text, CC BY-SA 3.0; see examples/calib/README.md)
