@@ -438,45 +438,34 @@ def check_output(plan: UpcyclePlan, out_dir: Path, progress: Progress | None = N
 
     dense = source_stack(src, src_reader, plan.out_dtype)  # the source as the output's dtype holds it
     written = moe_stack(out_dir, out_reader, None if from_files else regenerate(True))
-    if plan.sources and plan.attention != "base":  # averaged attention: no setting computes the base
-        return _kl_only(plan, dense, written, text_ids, progress, src_reader, out_reader)
-    # a merge: every copy the base's FFN (its attention is the base's) must give the base's logits
-    exact = written if plan.exact else moe_stack(out_dir, out_reader, regenerate(False, bool(plan.sources)))
     # one pass: the check's tokens (the text, else random ones) through the source, the exact construction and,
-    # when it differs, the model as written, a decoder layer of each at a time
+    # when it differs, the model as written, a decoder layer of each at a time. A merge's exact construction is every
+    # copy the base's FFN; with averaged attention no setting computes the base, and only the KL is measured.
+    averaged = bool(plan.sources) and plan.attention != "base"
+    exact = None if averaged else written if plan.exact else \
+        moe_stack(out_dir, out_reader, regenerate(False, bool(plan.sources)))
     ids = text_ids if text_ids is not None else torch.randint(
         0, src.vocab, (2, CHECK_SEQ), generator=torch.Generator().manual_seed(plan.settings.seed))
-    stacks = [dense, exact] if exact is written else [dense, exact, written]
+    stacks = [dense, written] if exact in (None, written) else [dense, exact, written]
     finals = stream_hidden(stacks, ids, progress)
+    src_reader.close()
+    out_reader.close()
+    result = {"tokens": int(ids.numel()), "tokens_from": "text" if text_ids is not None else "random",
+              "experts_read_back": from_files, "exact_model": None,
+              "kl_to_source": 0.0 if exact is written and text_ids is None else  # identical by construction
+              kl_to_reference(dense, finals[0], written, finals[-1])}
+    if text_ids is not None:
+        result["kl_text_tokens"] = int(ids.numel())
+    if exact is None:
+        return result
     diff, scale = max_logit_diff(dense, finals[0], exact, finals[1])
-    result = {"max_logit_diff": diff, "logit_scale": scale, "tokens": int(ids.numel()),
-              "tokens_from": "text" if text_ids is not None else "random",
-              "experts_read_back": from_files,
-              "exact_model": "as written" if plan.exact else "every expert the base's FFN" if plan.sources else
-              "the copies before symmetry breaking"}
+    result.update(max_logit_diff=diff, logit_scale=scale, exact_model="as written" if plan.exact else
+                  "every expert the base's FFN" if plan.sources else "the copies before symmetry breaking")
     tol = CHECK_RTOL * max(scale, 1e-6)
     if not math.isfinite(diff) or diff > tol:
         raise RuntimeError(f"upcycle check failed: the copies' logits differ from {src.path}'s by {diff:.3g} (allowed "
                            f"{tol:.3g}); nothing was written")
-    result["kl_to_source"] = kl_to_reference(dense, finals[0], written, finals[-1]) if text_ids is not None or \
-        not plan.exact else 0.0
-    if text_ids is not None:
-        result["kl_text_tokens"] = int(ids.numel())
-    src_reader.close()
-    out_reader.close()
     return result
-
-
-def _kl_only(plan: UpcyclePlan, dense, written, text_ids, progress, *readers) -> dict:
-    from .layerwise import kl_to_reference, stream_hidden
-
-    ids = text_ids if text_ids is not None else torch.randint(
-        0, plan.src.vocab, (2, CHECK_SEQ), generator=torch.Generator().manual_seed(plan.settings.seed))
-    finals = stream_hidden([dense, written], ids, progress)
-    for r in readers:
-        r.close()
-    return {"exact_model": None, "tokens": int(ids.numel()), "experts_read_back": True,
-            "kl_to_source": kl_to_reference(dense, finals[0], written, finals[1])}
 
 
 def _write_metadata(plan: UpcyclePlan, tmp: Path, layers: list[dict], seconds: float, check: dict) -> dict:
