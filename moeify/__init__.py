@@ -7,7 +7,7 @@ that costs. From Python (moeify.api; torch loads on first use, not on import):
 
 from .version import __version__
 
-_API = ("convert", "upcycle", "merge", "tune", "evaluate", "plan", "Conversion", "MoeifyError")
+_API = ("convert", "upcycle", "merge", "tune", "train", "evaluate", "plan", "Conversion", "MoeifyError")
 
 
 def __getattr__(name: str):

@@ -129,6 +129,35 @@ def tune(src: str | Path, out: str | Path, tokens: int | None = None, *, resume:
                        timeout=timeout)
 
 
+def train(out: str | Path, tokens: int | None = None, *, text: Sequence[str | Path] = (), resume: bool = False,
+          restart: bool = False, device: str = "auto", save_every: float = 600.0, progress: Progress | None = None,
+          notify: Callable[[str], None] | None = None, memory_check: bool = True, **options) -> dict:
+    """Train an output of `upcycle` or `merge` on `text` for `tokens` tokens: next-token loss plus Mixtral's
+    load-balancing loss, the expert load recorded as it trains (moeify.tuning.lm); written back to `out` all or
+    nothing. Returns the new report.json (its "training" record). options: lr, train_router, train_experts,
+    train_attention, aux_loss_coef, seq_len, step_tokens, seed (moeify.tuning.lm.TrainOptions). resume: continue
+    an interrupted run with its own settings (options given must agree)."""
+    from .tuning.lm import TrainOptions, train_output
+
+    given = {k: v for k, v in options.items() if v is not None}
+    names = [f.name for f in dataclasses.fields(TrainOptions)]
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise MoeifyError(f"train() got unknown option(s): {', '.join(unknown)}",
+                          f"the options are TrainOptions' fields: {', '.join(names)}")
+    files = tuple(str(f) for f in text)
+    if resume:
+        return train_output(out, None, resume=True, device=device, save_every=save_every, progress=progress,
+                            notify=notify, memory_check=memory_check,
+                            given={**given, **({"text": files} if files else {}),
+                                   **({"tokens": tokens} if tokens is not None else {})})
+    if tokens is None:
+        raise MoeifyError("tokens is required (the training budget of this run)",
+                          f"e.g. moeify tune {out} --tune-text corpus.txt --tokens 1048576")
+    return train_output(out, TrainOptions(tokens=tokens, text=files, **given), restart=restart, device=device,
+                        save_every=save_every, progress=progress, notify=notify, memory_check=memory_check)
+
+
 def evaluate(models: Sequence[str | Path], data: str | Path | None = None, *, tasks: str | Sequence[str] | None = None,
              task_dir: str | Path | None = None, task_data: str | Path | None = None, limit: int | None = None,
              task_batch_size: int = 16, progress: Progress | None = None, **settings):
@@ -309,5 +338,5 @@ def merge(sources: Sequence[str | Path], out: str | Path, *, base: str | Path | 
                             check_tokens=check_tokens)
 
 
-__all__ = ["Conversion", "convert", "tune", "evaluate", "plan", "prepare_conversion", "run_prepared", "serve_layouts",
+__all__ = ["Conversion", "convert", "tune", "train", "evaluate", "plan", "prepare_conversion", "run_prepared", "serve_layouts",
            "upcycle", "prepare_upcycle", "run_upcycle_plan", "merge", "MoeifyError"]

@@ -196,6 +196,7 @@ def _render_upcycle(out: Path, report: dict, name: str | None) -> str:
               f"- As written: KL divergence to the dense model's next-token distributions {kl:.4g} nats"
               + (f" on {check.get('kl_text_tokens'):,} tokens of text." if check.get("kl_text_tokens") else
                  " on the random tokens.") if kl is not None else "- KL to the dense model: not measured.",
+              *_training_lines(report),
               "", "## Training it", "", UPCYCLE_TRAINING, "",
               f"In transformers, load it with `output_router_logits=True` and the loss of `model(ids, labels=ids)` "
               f"includes Mixtral's load-balancing loss (α · N · Σ fᵢ Pᵢ, α = router_aux_loss_coef = "
@@ -207,6 +208,24 @@ def _render_upcycle(out: Path, report: dict, name: str | None) -> str:
     lines += ["", "## Recipe", "", "The settings that made it (`moeify.toml`):", "", "```toml",
               (out / "moeify.toml").read_text().rstrip(), "```", ""]
     return f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)
+
+
+def _training_lines(report: dict) -> list[str]:
+    """What `moeify tune OUT` has trained an upcycle or merge on: each run's text, tokens and held-out numbers."""
+    t = report.get("training")
+    if not t:
+        return []
+    lines = ["", "## Trained by moeify", "", "| run | text | tokens | trained | held-out perplexity | busiest expert | "
+             "starved experts |", "|---:|---|---:|---|---|---|---|"]
+    for i, r in enumerate(t["runs"], 1):
+        b, a = r["held_out_before"], r["held_out_after"]
+        files = ", ".join(f"`{Path(f).name}`" for f in r.get("text", {}).get("files", []))
+        lines.append(f"| {i} | {files} | {r['tokens']:,} | {', '.join(r['trained'])} | {b['perplexity']:.4g} → "
+                     f"{a['perplexity']:.4g} | {b['max_load']:.2f} → {a['max_load']:.2f} × uniform | "
+                     f"{b['starved']} → {a['starved']} |")
+    lines += ["", "Next-token loss plus the load-balancing loss (α in each run's record, `report.json`); held out: the "
+              "last windows of each run's text."]
+    return lines
 
 
 def active_share_text(share: float, width: int, stored: int, flops_ratio: float) -> str:

@@ -299,9 +299,10 @@ def _interrupted_tuning(src: Path, out: Path) -> None:
 
 @app.command()
 def tune(
-    src: Path = typer.Argument(..., help="The dense source checkpoint OUT was converted from (the teacher)."),
-    out: Path = typer.Argument(..., help="A moeify output (tuned or not); replaced by the tuned model when the run "
-                               "ends."),
+    src: Path = typer.Argument(..., help="The dense source checkpoint OUT was converted from (the teacher); not "
+                               "given for an output of moeify upcycle / merge, which trains on text alone."),
+    out: Optional[Path] = typer.Argument(None, help="A moeify output (tuned or not); replaced by the tuned model when "
+                                         "the run ends."),
     tokens: Optional[int] = typer.Option(None, "--tokens", "--tune-tokens", help="Fresh tuning tokens of this run "
                                          "(a warm-up, then a cosine: --schedule). Quality keeps improving with tokens "
                                          "(BENCHMARKS.md); --dry-run says the time here; use a GPU for 7B+."),
@@ -313,7 +314,7 @@ def tune(
                                                    "dense model samples itself; each run samples new text "
                                                    "[default: 0.5]."),
     lr: Optional[float] = typer.Option(None, "--lr", "--tune-model-lr", help="Adam step relative to each weight's "
-                                       "RMS [default: 0.003]."),
+                                       "RMS [default: 0.003; an upcycle's or merge's training 0.01]."),
     tune_router: Optional[bool] = typer.Option(None, "--tune-router/--freeze-router", help="Also train the routers "
                                                "[default: on]."),
     tune_attention: Optional[bool] = typer.Option(None, "--tune-attention/--experts-only", help="Also train "
@@ -344,17 +345,40 @@ def tune(
                                             "(torchrun): how long a rank waits for the others at a phase or in a "
                                             "collective before every rank stops with an error naming the late "
                                             "rank [default: $MOEIFY_TIMEOUT, else 600]."),
+    router_only: bool = typer.Option(False, "--router-only", help="Upcycled or merged OUT: train the routers alone "
+                                     "(experts frozen)."),
+    aux_loss_coef: Optional[float] = typer.Option(None, "--aux-loss-coef", help="Upcycled or merged OUT: α of the "
+                                                  "load-balancing loss [default: OUT's router_aux_loss_coef]."),
     json_dest: Optional[str] = _json_option("The tuned output's report (--dry-run: the estimate)."),
 ) -> None:
     """Recovery tuning of a moeify output: distil its experts and routers towards the dense source's next-token
-    distributions on fresh tokens, and write the tuned model back to OUT (all or nothing).
+    distributions on fresh tokens, and write the tuned model back to OUT (all or nothing). An output of `moeify
+    upcycle` or `moeify merge` (OUT alone) trains instead on --tune-text: next-token loss plus Mixtral's
+    load-balancing loss, the expert load reported as it trains (docs/upcycling.md).
 
     A tuned output can be tuned again for more tokens: it continues from its weights, and report.json and
     moeify.toml keep the whole history. The run saves its state every --save-every seconds and on Ctrl-C; a killed
     run continues with --resume and ends with the weights an uninterrupted run would have.
 
     Example: moeify tune path/to/Llama-3-8B out/llama-moe --tokens 1048576
+    Example: moeify tune out/upcycled --tune-text corpus.txt --tokens 4194304
     """
+    from .tuning.lm import is_trainable_output
+
+    if out is None or is_trainable_output(out):
+        from .cli_upcycle import train_cmd
+
+        return train_cmd(out or src, None if out is None else src, dict(
+            tokens=tokens, text=[*(calib or []), *(tune_text or [])], lr=lr, train_router=tune_router,
+            train_attention=tune_attention, router_only=router_only, aux_loss_coef=aux_loss_coef, seed=seed,
+            step_tokens=step_tokens, device=device, resume=resume, restart=restart, save_every=save_every,
+            memory_check=memory_check, json_dest=json_dest), dict(
+            tune_generated=tune_generated, schedule=schedule, offload=offload, dry_run=dry_run or None,
+            timeout=timeout))
+    if router_only or aux_loss_coef is not None:
+        _fail(MoeifyError(f"--{'router-only' if router_only else 'aux-loss-coef'} is for an output of moeify upcycle "
+                          f"or merge; {out} is a carve", "a carve's routers and experts tune together: "
+                          "--freeze-router keeps its routers"))
     from .api import tune as run_tune
     from .hub import resolve
     from .report import print_tuning

@@ -306,6 +306,29 @@ def _duration(seconds: float) -> str:
 # ------------------------------------------------------------------------------------------- plan / inspect
 
 
+def print_training(console: Console, report: dict, out: Path) -> None:
+    """`moeify tune OUT` on an upcycled or merged output: the run just finished (held-out loss and expert load
+    before and after) and the output's training so far."""
+    from .tuning.lm_options import STARVED
+
+    t = report["training"]
+    run = t["runs"][-1]
+    b, a = run["held_out_before"], run["held_out_after"]
+    tab = Table(title=f"trained {out.name}: {run['tokens']:,} tokens, {', '.join(run['trained'])}", title_justify="left")
+    for col, just in (("held-out", "left"), ("before", "right"), ("after", "right")):
+        tab.add_column(col, justify=just)
+    tab.add_row("perplexity", f"{b['perplexity']:.3f}", f"{a['perplexity']:.3f}")
+    tab.add_row("balance loss (k = uniform)", f"{b['balance']:.3f}", f"{a['balance']:.3f}")
+    tab.add_row("busiest expert / uniform", f"{b['max_load']:.2f}x (layer {b['max_load_layer']})",
+                f"{a['max_load']:.2f}x (layer {a['max_load_layer']})")
+    tab.add_row(f"starved experts (< {STARVED:g} x uniform)", f"{b['starved']}", f"{a['starved']}")
+    console.print(tab)
+    rate = run["tokens"] / max(run["seconds"], 1e-9)
+    console.print(f"{run['steps']:,} step(s) of {run['step_tokens']:,} tokens in {_duration(run['seconds'])} "
+                  f"({rate:,.0f} tok/s, {run['device']}), load-balancing α {run['aux_loss_coef']:g}", highlight=False)
+    console.print(f"{out.name} has trained on {t['tokens']:,} tokens in {len(t['runs'])} run(s)", highlight=False)
+
+
 def print_alternatives(console: Console, alternatives: list[dict]) -> None:
     """The layout the preset gives for each serving format (--serve): one table, read before converting."""
     from .layout import SERVE_QUANTA

@@ -10,6 +10,8 @@
 # SLICES ending in n: the layout the preset resolves to without a shared expert (what a Qwen3 source gets: Qwen3-MoE
 # has none; issue 44), e.g. q50-32n, s25-48n: SmolLM2 into Mixtral (top-k weights renormalised, as Qwen3-MoE does),
 # the 0.5B into Qwen2-MoE with --shared 0 (Mixtral cannot hold its q/k/v biases; Qwen2-MoE does not renormalise).
+# SLICES 19 (the 0.5B) and 24 (SmolLM2): widths 256 and 64, twice the presets' (issue 54: K-quant width 256 against
+# 128 at 1B+ shapes), the counts the [layout] rules give at that slice count (outside the presets' ×2 window).
 # `layers` summarises the per-layer errors of every carve made so far (scripts/layer_errors.py).
 # `decode` times greedy decoding of each layout against dense (scripts/bench_serve.py: weight-only carves, 1 thread;
 # run it alone on an idle machine): llama.cpp Q8_0 and f16 (the 0.5B, SmolLM2) and Q8_0 (the 1.1B Llama shape of
@@ -31,6 +33,7 @@ declare -A LAYOUT=(
   [q-50-38]="28 10 9" [q-50-64]="48 16 16"  [q-50-76]="54 22 16"
   [s-25-48]="42 6 6"  [s-25-64]="56 8 8"    [s-25-96]="84 12 12"
   [s-50-48]="36 12 12" [s-50-64]="48 16 16" [s-50-96]="64 32 16"
+  [q-25-19]="17 2 3"  [q-50-19]="14 5 5"    [s-25-24]="21 3 3"    [s-50-24]="18 6 6"
   [q-50-32n]="32 0 16" [q-25-38n]="38 0 10" [s-50-32n]="32 0 16" [s-25-48n]="48 0 12"
 )
 mkdir -p $RESULTS out
