@@ -160,3 +160,16 @@ def test_the_command_prints_the_load_in_80_columns(upcycled, tmp_path, text):
     assert r.exit_code == 0, r.output
     assert "busiest expert / uniform" in r.output and "starved experts" in r.output
     assert max(len(line) for line in r.output.splitlines()) <= 80, [l for l in r.output.splitlines() if len(l) > 80]
+
+
+def test_a_mix_of_texts_is_held_out_from_every_text(upcycled, tmp_path, text):
+    from moeify.tuning.lm import TrainOptions, _windows
+
+    other = tmp_path / "other.txt"
+    other.write_text(corpus_text(40000)[20000:])
+    train, held, seq = _windows(upcycled[1], TrainOptions(tokens=64, text=(str(text), str(other)), seq_len=32), 128)
+    from moeify.calibrate import text_windows
+
+    first, second = text_windows(upcycled[1], [text], 32), text_windows(upcycled[1], [other], 32)
+    assert seq == 32 and held.shape[0] >= 2 and train.shape[0] + held.shape[0] == first.shape[0] + second.shape[0]
+    assert any(torch.equal(h, first[-1]) for h in held) and any(torch.equal(h, second[-1]) for h in held)

@@ -71,15 +71,23 @@ def _base_lr(p: torch.Tensor, rel: float) -> float:
 
 
 def _windows(out: Path, opts: TrainOptions, max_len: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Every window of each text file; the last ones of each file held out (a twentieth, at most HOLD_OUT in all), so
+    a mix of texts is judged on every one of them."""
     from ..calibrate import text_windows
 
     seq = min(opts.seq_len, max_len)
-    w = text_windows(out, list(opts.text), seq)
-    n_hold = min(HOLD_OUT, w.shape[0] // 20)
-    if w.shape[0] - n_hold < 1 or n_hold < 1:
-        raise MoeifyError(f"the training text holds {w.shape[0]} window(s) of {seq} tokens: too little to train "
-                          "and hold some out", "pass more text with --tune-text (at least 20 windows)")
-    return w[: w.shape[0] - n_hold], w[w.shape[0] - n_hold:], seq
+    per_file = [text_windows(out, [f], seq) for f in opts.text]
+    n = sum(w.shape[0] for w in per_file)
+    train, held = [], []
+    for w in per_file:
+        k = min(w.shape[0] // 20, max(1, HOLD_OUT * w.shape[0] // max(1, n)))
+        train.append(w[: w.shape[0] - k])
+        held.append(w[w.shape[0] - k:])
+    train_w, held_w = torch.cat(train), torch.cat(held)
+    if train_w.shape[0] < 1 or held_w.shape[0] < 1:
+        raise MoeifyError(f"the training text holds {n} window(s) of {seq} tokens: too little to train and hold some "
+                          "out", "pass more text with --tune-text (at least 20 windows)")
+    return train_w, held_w, seq
 
 
 def _check_resume(root: Path, out: Path, opts: TrainOptions | None, given: dict | None) -> TrainOptions:
