@@ -10,7 +10,7 @@ probability; k when the load is uniform), averaged over the layers, α the outpu
 the routing the output will be served with), float32 master weights, bf16 autocast on a GPU; it trains the routers
 and experts (and the shared expert), the routers alone (--router-only), the experts alone (--freeze-router), and
 with --tune-attention attention and norms too. Each tensor's Adam step is relative to its RMS at the start (as
-tune's), warmed up over 5% of the steps and decayed by a cosine to a tenth.
+tune's), warmed up over 5% of the steps (at least 5) and decayed by a cosine to a tenth.
 
 As it trains it reports the expert load: per layer the largest expert's share against the uniform one, and the
 experts that get under a tenth of the uniform share ("starved": a collapsing router); report.json keeps the curve.
@@ -199,7 +199,7 @@ def _train(out: Path, opts: TrainOptions, train: torch.Tensor, held: torch.Tenso
     params = [p for _, p in named]
     per_step = max(1, opts.step_tokens // seq)
     total = max(1, math.ceil(opts.tokens / (per_step * seq)))
-    warm = max(1, total // 20)
+    warm = min(total, max(5, total // 20))  # Adam's first steps move every weight by the whole step: warm up
     micro = per_step if dev.startswith("cuda") else 1  # windows a forward
     ctx = tuning_autocast(dev, "auto")[0]
     stream = WindowStream(train, opts.seed)
