@@ -312,7 +312,7 @@ def resolve_preset(values: dict, d_ff: int, qk_norm: bool = False, *, given: dic
     given = given or {}
     lay = values["layout"]
     if serve is not None:
-        lay = dataclasses.replace(lay, quanta=serve_quanta(serve))
+        lay = lay.for_serving(serve_quanta(serve))
         values["layout"] = lay
     if lay.shared > 0 and (qk_norm or values.get("format") == "mixtral") and given.get("shared") is None:
         values["layout"] = dataclasses.replace(lay, shared=0.0)  # Qwen3-MoE and Mixtral have none

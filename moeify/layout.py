@@ -9,6 +9,7 @@ shapes people carve that gives widths no quantized kernel takes (d_ff 14,336 / 6
     shared = 0.25         # share of d_ff in the always-on shared expert
     slices = 64           # the granularity the preset was chosen at (slices of d_ff = routed + shared experts)
     max_top_k = 16        # the largest top-k the preset's engines run (llama.cpp: 16)
+    width = 128           # the expert width it prefers where d_ff has it (0: none)
     quanta = [256, 128, 32]  # expert widths it prefers, best first (K-quants; FP8 block / Marlin; Q8_0)
 
 and `resolve_layout` picks, for one model's d_ff, the slice count U (every expert d_ff / U wide) that
@@ -16,8 +17,12 @@ and `resolve_layout` picks, for one model's d_ff, the slice count U (every exper
 1. divides d_ff (experts are equal slices, no padding),
 2. keeps top-k within max_top_k and the active share within `tolerance` (2 points) of the preset's,
 3. lies within a factor of two of `slices` (finer or coarser than that is another preset, not this one),
-4. has the width that fits the most preferred quantum (256 before 128 before 32 before none),
-5. and, among those, is closest to `slices` (the granularity the preset's quality was measured at).
+4. has experts exactly `width` wide, where one does,
+5. has the width that fits the most preferred quantum (256 before 128 before 32 before none),
+6. and, among those, is closest to `slices` (the granularity the preset's quality was measured at).
+
+A serving format (`--serve`) brings its own quanta; the preferred width stays where the format takes it (a multiple
+of its first quantum: not for K-quants' 256).
 
 Explicit --experts / --shared / --top-k win: each one given is kept and the rest are resolved around it (rules 2's
 share and 3 are then only preferences). The resolved counts and the reason are written to OUT/moeify.toml, so the
@@ -31,7 +36,7 @@ from dataclasses import dataclass, field, replace
 
 from .errors import MoeifyError
 
-LAYOUT_KEYS = ("active", "shared", "slices", "max_top_k", "quanta", "tolerance", "resolved")
+LAYOUT_KEYS = ("active", "shared", "slices", "max_top_k", "width", "quanta", "tolerance", "resolved")
 # what each serving format asks of an expert's width (`--serve`): the quanta it prefers, best first, and why
 SERVE_QUANTA = {
     "k-quants": ((256, 128, 32), "llama.cpp Q4_K_M, Q5_K", "llama.cpp's K-quants need widths of 256 (else 128, 32)"),
@@ -54,6 +59,7 @@ class Layout:
     shared: float = 0.0  # share of d_ff in the shared expert
     slices: int = 64  # preferred granularity (routed + shared experts)
     max_top_k: int = 16
+    width: int = 0  # the expert width preferred where d_ff has it within the window (0: none)
     quanta: tuple[int, ...] = (256, 128, 32)
     tolerance: float = 0.02  # allowed distance of the resolved active share from `active`
     resolved: str = ""  # how the counts were chosen for the model converted (written by convert)
@@ -70,6 +76,8 @@ class Layout:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 2:
                 raise MoeifyError(f"{where} {name} must be an integer ≥ 2, got {v!r}")
+        if not isinstance(self.width, int) or isinstance(self.width, bool) or self.width < 0:
+            raise MoeifyError(f"{where} width must be a non-negative integer (0: no preference), got {self.width!r}")
         if not self.quanta or any(not isinstance(q, int) or isinstance(q, bool) or q < 1 for q in self.quanta):
             raise MoeifyError(f"{where} quanta must be a list of positive widths, best first, got {list(self.quanta)!r}",
                               "e.g. quanta = [256, 128, 32]")
@@ -79,8 +87,13 @@ class Layout:
     def spec(self) -> str:
         """One line: what the preset asks for."""
         shared = f", shared {self.shared:.1%}" if self.shared else ""
-        return (f"{self.active:.1%} active{shared}, ~{self.slices} slices, top-k ≤ {self.max_top_k}, widths "
+        width = f"width {self.width} where d_ff has it, else " if self.width else ""
+        return (f"{self.active:.1%} active{shared}, ~{self.slices} slices, top-k ≤ {self.max_top_k}, {width}widths "
                 f"preferred: {' > '.join(map(str, self.quanta))}")
+
+    def for_serving(self, quanta: tuple[int, ...]) -> Layout:
+        """The layout with a serving format's quanta; its preferred width kept where the format takes it."""
+        return replace(self, quanta=quanta, width=self.width if self.width % quanta[0] == 0 else 0)
 
 
 def layout_from_table(table: dict, where: str) -> Layout:
@@ -134,6 +147,8 @@ class Resolution:
         fit = (f"width a multiple of {c.quantum}" if c.quantum else
                f"no slice count near {lay.slices} gives a width that is a multiple of {min(lay.quanta)}")
         better = [q for q in lay.quanta if c.quantum and q > c.quantum]
+        if lay.width and c.width == lay.width:
+            fit, better = f"the preset's preferred width {lay.width}", []
         if better:
             fit += f" ({'/'.join(map(str, better))} not reachable within ×2 of {lay.slices} slices)"
         return head + f"; {fit}; closest to the preset's {lay.slices} slices"
@@ -192,7 +207,8 @@ def resolve_layout(layout: Layout, d_ff: int, *, experts: int | None = None, sha
         if pinned:  # the user's counts: the share nearest the preset's first, then widths, then granularity
             return (round(off, 6), q, dist)
         # within the window and the tolerance before anything else; then the quantum; then granularity
-        return (not window(c), off > layout.tolerance + 1e-9, q, dist, off)
+        return (not window(c), off > layout.tolerance + 1e-9, not (layout.width and c.width == layout.width), q, dist,
+                off)
 
     ordered = sorted(valid, key=rank)
     return Resolution(layout, d_ff, ordered[0], pinned, ordered)

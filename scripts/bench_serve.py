@@ -99,9 +99,17 @@ def llamacpp_speed(src: Path, name: str, args) -> dict:
         assert_line = next((ln.strip() for ln in text.splitlines() if "GGML_ASSERT" in ln), None)
         return {"status": "aborts: " + (assert_line.split(": ", 1)[-1] if assert_line else llc.last_error(text))}
     t = json.loads(line.split("TIMINGS ", 1)[1])
+    types = None
+    if args.quantize:  # which type each tensor that could not take the K-quant fell back to (llama-quantize's log)
+        import re
+        from collections import Counter
+
+        log = (work / f"{src.name}-{args.quantize}.log").read_text()
+        found = re.findall(r"required for type\s+(\w+)\)\s*(?:\(WARNING[^)]*\)\s*)?-> falling back to\s+(\w+)", log)
+        types = dict(Counter(f"{a} -> {b}" for a, b in found))
     return {"status": "ok", "decode_tok_s": statistics.median(x["predicted_per_second"] for x in t),
             "prompt_tok_s": statistics.median(x["prompt_per_second"] for x in t), "gguf": gguf.name,
-            "quant_fallback_tensors": fallback}
+            "gguf_bytes": gguf.stat().st_size, "quant_fallback_tensors": fallback, "quant_fallback_types": types}
 
 
 def timed_generate(model, ids: torch.Tensor, new: int) -> tuple[float, float]:

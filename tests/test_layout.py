@@ -56,6 +56,23 @@ def test_resolution_rules_by_hand():
     assert r.chosen.slices == 64 and r.chosen.quantum == 0 and "no slice count near 64" in r.why
 
 
+def test_a_preferred_width_wins_where_d_ff_has_it_and_a_k_quant_serving_format_drops_it():
+    quarter = Layout(active=0.25, shared=0.125, width=128)
+    shapes = {8192: (64, 8, 8), 8960: (70, 9, 9), 14336: (112, 14, 14), 4864: (38, 5, 5), 1536: (48, 6, 6)}
+    for d_ff, (slices, shared, top_k) in shapes.items():
+        c = resolve_layout(quarter, d_ff).chosen
+        assert (c.slices, c.shared, c.top_k) == (slices, shared, top_k), (d_ff, c)
+    assert "preferred width 128" in resolve_layout(quarter, 8192).why
+    assert "not reachable" not in resolve_layout(quarter, 8192).why
+    # half at 14,336: 112 x 128 would need top-28 > 16: the 256-wide 56 slices, as without a preferred width
+    assert resolve_layout(Layout(active=0.5, shared=0.25, width=128), 14336).chosen.width == 256
+    kq, q8 = quarter.for_serving((256, 128, 32)), quarter.for_serving((32,))
+    assert kq.width == 0 and resolve_layout(kq, 8192).chosen.width == 256
+    assert q8.width == 128 and resolve_layout(q8, 8192).chosen.width == 128
+    with pytest.raises(MoeifyError, match="width must be a non-negative integer"):
+        Layout(active=0.25, width=-1).validate()
+
+
 def test_explicit_counts_win():
     half = Layout(active=0.5, shared=0.25)
     r = resolve_layout(half, 14336, experts=48, shared=16, top_k=16)  # today's 64-slice layout, pinned
