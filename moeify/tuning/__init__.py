@@ -21,6 +21,10 @@ contracts check it):
                  and its checks on --resume
     options.py   what a run is asked to do (TuneOptions) and the interruption a signal turns into
 
+    lm.py        beside run.py: next-token training of an upcycled or merged output (`moeify tune OUT`), with
+                 Mixtral's load-balancing loss and the expert load reported; the same state directory and signals
+    lm_options.py  beside options.py: what such a run is asked to do (TrainOptions) and its routing measures
+
 Resumable: the run's whole state lives in `OUT.moeify-tune/` (state.py describes its files), saved atomically;
 `--resume` continues from it and ends with the weights an uninterrupted run would have (same machine and thread
 count).

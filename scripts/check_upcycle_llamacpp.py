@@ -1,0 +1,83 @@
+"""Upcycled MoEs in llama.cpp: are the exact constructions exact there too?
+
+    .venv/bin/python scripts/check_upcycle_llamacpp.py --json results/upcycling/exactness-smollm2-llamacpp.json
+
+`moeify upcycle` of SmolLM2-135M (models/smollm2-135m) into Mixtral: identical copies at full width (E8 top-2), a
+fine-grained upcycle (E8 G8 top-8, virtual-group router rows, down_proj × 8), the same with each copy's slices
+permuted, and Drop-Upcycling (r = 0.5, not exact: how far it is); each through llama.cpp's own converter
+(convert_hf_to_gguf.py, --outtype f32) and `llama-perplexity -c 256` on the first --eval-chars of WikiText-2 valid,
+beside the dense model's GGUF on the same text. Exact means the same perplexity (llama.cpp computes a renormalised
+top-k for Mixtral: `llm_graph_context::build_moe_ffn` with norm_w). The llama.cpp tree, its converter venv and
+llama-perplexity are scripts/check_llamacpp.py's (built once into --work).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import check_llamacpp as llc  # noqa: E402
+
+ROWS = {
+    "E8 top-2, identical copies": ["--copies", "8", "--top-k", "2", "--symmetry", "none"],
+    "E8 G8 top-8 (virtual groups)": ["--copies", "8", "--granularity", "8", "--top-k", "8", "--symmetry", "none"],
+    "E8 G8 top-8, slices permuted": ["--copies", "8", "--granularity", "8", "--top-k", "8", "--symmetry", "permute"],
+    "E8 top-2, drop r=0.5 (not exact)": ["--copies", "8", "--top-k", "2", "--symmetry", "drop", "--drop-share", "0.5"],
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=ROOT / "models" / "smollm2-135m")
+    ap.add_argument("--work", type=Path, default=ROOT / "build" / "llamacpp")
+    ap.add_argument("--chunks", type=int, default=16)
+    ap.add_argument("--ctx", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--eval-chars", type=int, default=100_000)
+    ap.add_argument("--json", type=Path, required=True)
+    args = ap.parse_args()
+    top = llc.fetch_llamacpp(args.work, llc.PIN)
+    exe = llc.build_perplexity(args.work, top, llc.PIN)
+    py = llc.converter_python(args.work)
+    gguf_py = llc.fixed_gguf_py(top, args.work, llc.PIN)
+    up = args.work / "upcycle"
+    up.mkdir(parents=True, exist_ok=True)
+    text = up / "wikitext2-valid-cut.txt"
+    text.write_text(llc.EVAL.read_text()[: args.eval_chars])
+    result = {"model": str(args.model), "llama_cpp_python": llc.PIN, "llama_cpp": llc.llamacpp_commit(top),
+              "date": time.strftime("%Y-%m-%d"), "ctx": args.ctx, "chunks": args.chunks, "eval_chars": args.eval_chars,
+              "rows": {}}
+
+    def score(name: str, path: Path) -> dict:
+        gguf = up / f"{llc.slug(name)}.gguf"
+        err = llc.to_gguf(py, top, path, gguf, gguf_py)
+        row = {"error": err} if err else llc.perplexity(exe, gguf, text, args.ctx, args.chunks, args.threads,
+                                                         up / f"{llc.slug(name)}.log")
+        print(name, row, flush=True)
+        return row
+
+    result["rows"]["dense"] = score("dense", args.model)
+    for name, flags in ROWS.items():
+        out = up / llc.slug(name)
+        if not (out / "report.json").is_file():
+            subprocess.run([str(ROOT / ".venv" / "bin" / "moeify"), "upcycle", str(args.model), str(out), "--dtype",
+                            "float32", "--overwrite", *flags], check=True, capture_output=True)
+        row = score(name, out)
+        row["check"] = json.loads((out / "report.json").read_text())["check"]
+        d = result["rows"]["dense"].get("ppl")
+        if row.get("ppl") and d:
+            row["ratio_to_dense"] = row["ppl"] / d
+        result["rows"][name] = row
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
