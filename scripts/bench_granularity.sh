@@ -64,7 +64,28 @@ decode() {
       --json $RESULTS/decode-$m-transformers.json
   done
 }
+# `kquants`: what experts of 128 cost in llama.cpp's K-quants against 256 (issue 54): each preset's 256- and 128-wide
+# layouts at the 1.1B shape (d_ff 8,192: 32 x 256 against 64 x 128) and the 25% preset at the Llama-3-8B widths (8
+# layers, d_ff 14,336: 56 x 256 against 112 x 128; at 50% 112 slices would need top-28), weight-only carves of synthetic
+# weights (SmolLM2's tokenizer, vocab 49,152), converted to f16 GGUF and llama-quantize'd to Q4_K_M: the file's size,
+# the tensors that fell back and to which type, decode tokens/s at 1 thread (run it alone on an idle machine).
+kquants() {
+  [ -f build/l1b/config.json ] || .venv/bin/python scripts/make_synthetic_checkpoint.py build/l1b --hidden 2048 \
+    --intermediate 8192 --layers 16 --heads 32 --kv-heads 8 --vocab 49152 --dtype bfloat16 --tokenizer ${SRC[s]}
+  [ -f build/l8b-8/config.json ] || .venv/bin/python scripts/make_synthetic_checkpoint.py build/l8b-8 --layers 8 \
+    --vocab 49152 --tokenizer ${SRC[s]}
+  [ -x build/llvenv/bin/python ] || { python3 -m venv build/llvenv && build/llvenv/bin/pip install -q xllamacpp; }
+  local ll="--no-transformers --llamacpp-python build/llvenv/bin/python --work build/serve --rounds 5 --threads 1"
+  .venv/bin/python scripts/bench_serve.py build/l1b --layouts s4e28k4,s8e56k8,s8e24k8,s16e48k16 $ll --outtype f16 \
+    --quantize Q4_K_M --json $RESULTS/kquants-l1b-llamacpp-q4_k_m.json
+  .venv/bin/python scripts/bench_serve.py build/l8b-8 --layouts s7e49k7,s14e98k14 $ll --outtype f16 \
+    --quantize Q4_K_M --json $RESULTS/kquants-l8b-8layers-llamacpp-q4_k_m.json
+}
 for step in "$@"; do
+  if [ "$step" = kquants ]; then
+    kquants
+    continue
+  fi
   if [ "$step" = decode ]; then
     decode
     continue
