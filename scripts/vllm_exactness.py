@@ -38,14 +38,22 @@ QWEN_SHARED_TOP1 = ("qwen2_moe-shared-top1of3", ["--format", "qwen2_moe", "--exp
 QWEN3 = ("qwen3_moe", ["--format", "qwen3_moe", "--experts", "4", "--top-k", "4"])
 QWEN3_DENSE = ("qwen3_moe-dense1", ["--format", "qwen3_moe", "--experts", "4", "--top-k", "4", "--dense-layers", "1"])
 QWEN3_TOP2 = ("qwen3_moe-top2of4", ["--format", "qwen3_moe", "--experts", "4", "--top-k", "2"])
+# upcycles (`moeify upcycle`, identical copies): exact under each class's own sparse top-k routing (renormalised)
+UP_MIXTRAL = ("upcycle-mixtral-E4k2", ["--copies", "4", "--top-k", "2", "--symmetry", "none"], "upcycle")
+UP_FINE = ("upcycle-mixtral-E2G4k4", ["--copies", "2", "--granularity", "4", "--top-k", "4", "--symmetry", "permute"],
+           "upcycle")
+UP_QWEN_SHARED = ("upcycle-qwen2_moe-shared-E4G2k2", ["--copies", "4", "--granularity", "2", "--top-k", "2",
+                                                      "--shared-width", "64", "--symmetry", "none"], "upcycle")
+UP_QWEN3 = ("upcycle-qwen3_moe-E4k2", ["--copies", "4", "--top-k", "2", "--symmetry", "none"], "upcycle")
 QWEN3_SOURCE = dict(family="qwen3", head_dim=64, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
 TINY_CASES = {
     "llama-gqa-llama3rope": (dict(rope_parameters=LLAMA3_ROPE), [MIXTRAL, QWEN, QWEN_SHARED, QWEN_SHARED_DENSE,
-                                                                 MIXTRAL_TOP2, QWEN_SHARED_TOP1]),
+                                                                 MIXTRAL_TOP2, QWEN_SHARED_TOP1, UP_MIXTRAL, UP_FINE,
+                                                                 UP_QWEN_SHARED]),
     "llama-tied": (dict(tie_word_embeddings=True), [MIXTRAL, QWEN_SHARED]),
     "llama-headdim64": (dict(head_dim=64), [MIXTRAL, QWEN_SHARED]),  # head_dim != hidden / heads (32)
     "mistral-sliding8": (dict(family="mistral", sliding_window=8), [MIXTRAL]),  # window < prompt (24)
-    "qwen3-headdim64": (QWEN3_SOURCE, [QWEN3, QWEN3_DENSE, QWEN3_TOP2]),
+    "qwen3-headdim64": (QWEN3_SOURCE, [QWEN3, QWEN3_DENSE, QWEN3_TOP2, UP_QWEN3]),
     "qwen3-tied": ({**QWEN3_SOURCE, "tie_word_embeddings": True}, [QWEN3]),
 }
 
@@ -86,9 +94,11 @@ def check_exactness(args) -> dict:
             continue
         src = build_dense(work / case / "dense", tokdir, **{**TINY, **over})
         models.append((f"{case}/dense", src))
-        for oname, flags in outputs:
+        for oname, flags, *how in outputs:
             out = work / case / oname
             cmd = [sys.executable, "-m", "moeify", "convert", str(src), str(out), "--weight-only", "--no-tune", *flags]
+            if how == ["upcycle"]:  # exact by construction at any top-k
+                cmd = [sys.executable, "-m", "moeify", "upcycle", str(src), str(out), "--dtype", "float32", *flags]
             p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             if p.returncode:
                 pairs.append({"case": case, "output": oname, "flags": flags,
@@ -96,7 +106,7 @@ def check_exactness(args) -> dict:
                 log(f"tiny {case}/{oname}: moeify convert failed: {(p.stderr or p.stdout)[-300:]}")
                 continue
             models.append((f"{case}/{oname}", out))
-            pairs.append({"case": case, "output": oname, "flags": flags})
+            pairs.append({"case": case, "output": oname, "flags": flags, "upcycle": how == ["upcycle"]})
     # transformers: full log-softmax at every position 1.. (predicting the token there)
     hf, hf_logits = {}, {}  # transformers as is; with the top-k picked by router logits (as vLLM's CPU router)
     for name, path in models:
@@ -136,10 +146,11 @@ def check_exactness(args) -> dict:
         r = {"model": name, "flags": pr["flags"], "convert_error": pr.get("convert_error"),
              "vllm_loaded": bool(row.get("loaded")), "class": row.get("class"), "ffn_block": row.get("ffn_block"),
              "moe": row.get("moe"), "error": row.get("error") or row.get("run_error"),
-             "transformers_moe_vs_dense": (maxdiff(hf[name], hf[dense]) if name in hf and pr["flags"][
-                 pr["flags"].index("--top-k") + 1] == pr["flags"][pr["flags"].index("--experts") + 1] else None)}
+             }
         flags = pr["flags"]
-        r["all_experts_active"] = flags[flags.index("--top-k") + 1] == flags[flags.index("--experts") + 1]
+        r["all_experts_active"] = pr.get("upcycle") or flags[flags.index("--top-k") + 1] == flags[flags.index(
+            "--experts") + 1]  # (an upcycle of identical copies computes the dense model at its own top-k)
+        r["transformers_moe_vs_dense"] = maxdiff(hf[name], hf[dense]) if name in hf and r["all_experts_active"] else None
         if name in vl:
             r["vllm_moe_vs_transformers_moe"] = maxdiff(vl[name], hf[name])
             r["vllm_moe_vs_transformers_moe_topk_by_logits"] = maxdiff(vl[name], hf_logits[name])
@@ -154,8 +165,8 @@ def check_exactness(args) -> dict:
                                 if "vllm_moe_vs_transformers_moe" in r else
                                 "FAILED " + str(r.get("error") or r.get("convert_error"))[:300]))
     return {"tolerance": EXACT, "sequences": "4 x 24 random token ids, logprobs over the whole vocabulary (384)",
-            "exact_means": "all experts active: vLLM MoE vs vLLM dense <= tolerance; sparse (top-k < experts): "
-                           "vLLM MoE vs transformers MoE <= tolerance",
+            "exact_means": "all experts active, or an upcycle of identical copies: vLLM MoE vs vLLM dense <= "
+                           "tolerance; sparse (top-k < experts): vLLM MoE vs transformers MoE <= tolerance",
             "tiny_config": TINY, "vllm_versions": {k: out[k] for k in ("vllm", "torch", "transformers")},
             "results": results}
 
