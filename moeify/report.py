@@ -342,22 +342,27 @@ def print_alternatives(console: Console, alternatives: list[dict]) -> None:
 
 
 def print_measured_tradeoff(console: Console, measured: list[dict]) -> None:
-    """The finer --serve layouts against the K-quant one, as measured on real models (quality and decode speed)."""
+    """Other layouts against the preset's own (the --serve ones and those measured for comparison), as measured on
+    real models: quality, decode speed and GGUF size."""
     if not measured:
         return
     pct = (lambda r: "–" if r is None else f"{r[0] * 100:+.0f}…{r[1] * 100:+.0f}%")
-    rows = [[f"{m['model']}\nd_ff {m['d_ff']:,}", "\n".join(m["serve"]),
+
+    def llamacpp(d: dict) -> str:
+        if d["llama.cpp"] is None:
+            return "–"
+        return f"{_fmt(d['llama.cpp'])} {d['llama.cpp type']}" + (f"\nsize {d['file']:.2f}" if d.get("file") else "")
+
+    rows = [["\n".join([m["model"], f"d_ff {m['d_ff']:,}", *(f"--serve {f}" for f in m["serve"])]),
              f"{m['slices']} × {m['width']}\nvs {m['base']['slices']} × {m['base']['width']}",
-             pct(m["trainingfree"]), pct(m["tuned"]),
-             _fmt(m["decode"]["llama.cpp"]) + ("" if m["decode"]["llama.cpp"] is None
-                                              else f" {m['decode']['llama.cpp type']}"),
+             pct(m["trainingfree"]), pct(m["tuned"]), llamacpp(m["decode"]),
              _fmt(m["decode"]["transformers"])] for m in measured]
-    console.print(_table("measured on real models: the finer layouts against the K-quant one",
-                         ["model", "--serve", "layout", "quality\nuntuned", "quality\ntuned", "decode\nllama.cpp",
-                          "decode\ntransf."], rows, left=(0, 1)))
+    console.print(_table("measured on real models: other layouts against the preset's own",
+                         ["model", "layout", "quality\nuntuned", "quality\ntuned", "decode\nllama.cpp",
+                          "decode\ntransf."], rows, left=(0,)))
     console.print("quality: the change in perplexity ratio − 1 on four held-out texts, least…most (negative: nearer "
-                  "dense); decode: tokens/s × the K-quant layout's, 1 CPU thread; BENCHMARKS.md \"Granularity and "
-                  "shared experts\"", style="dim")
+                  "dense); decode: tokens/s × the preset's layout's, 1 CPU thread (size: its GGUF's); a row without "
+                  "--serve was measured for comparison; BENCHMARKS.md \"Granularity and shared experts\"", style="dim")
 
 
 def print_moe_plan(console: Console, plan) -> None:

@@ -77,9 +77,9 @@ kquants() {
   [ -x build/llvenv/bin/python ] || { python3 -m venv build/llvenv && build/llvenv/bin/pip install -q xllamacpp; }
   local ll="--no-transformers --llamacpp-python build/llvenv/bin/python --work build/serve --rounds 5 --threads 1"
   .venv/bin/python scripts/bench_serve.py build/l1b --layouts s4e28k4,s8e56k8,s8e24k8,s16e48k16 $ll --outtype f16 \
-    --quantize Q4_K_M --json $RESULTS/kquants-l1b-llamacpp-q4_k_m.json
+    --quantize Q4_K_M --json $RESULTS/decode-l1b-llamacpp-q4_k_m.json
   .venv/bin/python scripts/bench_serve.py build/l8b-8 --layouts s7e49k7,s14e98k14 $ll --outtype f16 \
-    --quantize Q4_K_M --json $RESULTS/kquants-l8b-8layers-llamacpp-q4_k_m.json
+    --quantize Q4_K_M --json $RESULTS/decode-l8b-llamacpp-q4_k_m.json
 }
 for step in "$@"; do
   if [ "$step" = kquants ]; then

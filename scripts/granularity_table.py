@@ -89,21 +89,23 @@ def markdown(rs: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-# the models measured: d_ff, and the llama.cpp GGUF type each --serve format is served in (bf16: llama.cpp's f16)
+# the models measured: d_ff, and the llama.cpp GGUF type each --serve format is served in (bf16: llama.cpp's f16; a
+# layout no --serve format gives: Q8_0, which every width in the tables takes)
 MODELS = {"qwen05": ("Qwen2.5-Coder-0.5B", 4864), "smollm2": ("SmolLM2-135M", 1536),
-          "l1b": ("1.1B Llama shape", 8192)}
-GGUF = {"k-quants": "q8_0", "fp8": "q8_0", "q8_0": "q8_0", "bf16": "f16"}
-GGUF_NAME = {"q8_0": "Q8_0", "f16": "F16"}
+          "l1b": ("1.1B Llama shape", 8192), "l8b": ("Llama-3-8B shape", 14336)}
+GGUF = {"k-quants": "q4_k_m", "fp8": "q8_0", "q8_0": "q8_0", "bf16": "f16", None: "q8_0"}
+GGUF_NAME = {"q8_0": "Q8_0", "f16": "F16", "q4_k_m": "Q4_K_M"}
 PACKAGED = ROOT / "moeify" / "data" / "granularity.json"
 
 
-def resolved(d_ff: int, preset: int) -> dict[str, tuple[int, int, int]]:
-    """--serve format -> (routed, shared, top_k) the preset resolves to at this d_ff (moeify's own resolution)."""
+def resolved(d_ff: int, preset: int) -> dict[str | None, tuple[int, int, int]]:
+    """--serve format (None: none given, the preset's own layout) -> (routed, shared, top_k) the preset resolves to at
+    this d_ff (moeify's own resolution)."""
     from moeify.config import load_preset, resolve_preset
     from moeify.layout import SERVE_QUANTA
 
     out = {}
-    for fmt in SERVE_QUANTA:
+    for fmt in (None, *SERVE_QUANTA):
         r = resolve_preset(load_preset(ROOT / "configs" / f"active-{preset}.toml"), d_ff, serve=fmt)
         out[fmt] = (r["experts"], r["shared"], r["top_k"])
     return out
@@ -115,7 +117,7 @@ def serve_name(layout: tuple[int, int, int]) -> str:
     return (f"s{sh}" if sh else "") + f"e{n}k{k}"
 
 
-def decode_ratio(model: str, engine: str, layout: str, base: str) -> float | None:
+def decode_ratio(model: str, engine: str, layout: str, base: str, what: str = "decode_tok_s") -> float | None:
     path = ROOT / "results" / "granularity" / f"decode-{model}-{engine}.json"
     if not path.is_file():
         return None
@@ -125,28 +127,41 @@ def decode_ratio(model: str, engine: str, layout: str, base: str) -> float | Non
         a, b = rows[layout][key], rows[base][key]
     except KeyError:
         return None
-    if a.get("status", "ok") != "ok" or b.get("status", "ok") != "ok":
+    if a.get("status", "ok") != "ok" or b.get("status", "ok") != "ok" or what not in a or what not in b:
         return None
-    return round(a["decode_tok_s"] / b["decode_tok_s"], 3)
+    return round(a[what] / b[what], 3)
+
+
+def measured_layouts(quality: list[dict], model: str, preset: int) -> list[tuple[int, int, int]]:
+    """(routed, shared, top_k) of every layout with a quality row at this model and preset (a shared expert)."""
+    out = []
+    for r in quality:
+        m = re.match(r"(\d+) × (\d+) \((\d+) \+ top-(\d+) of (\d+)\)", r["layout"])
+        if r["model"] == model and r["preset"] == preset and m and "no shared" not in r["layout"]:
+            out.append((int(m.group(5)), int(m.group(3)), int(m.group(4))))
+    return out
 
 
 def tradeoff() -> list[dict]:
-    """One row per (model, preset, layout other than the K-quant one): the --serve formats that give it, its quality
-    against the K-quant layout (min, max of the change in ratio - 1 over the texts; None where not measured) and its
-    decode speed against it."""
+    """One row per (model, preset, layout other than the preset's own): the --serve formats that give it (none: a
+    layout measured for comparison only), its quality against the preset's layout (min, max of the change in ratio - 1
+    over the texts, training-free and tuned; None where not measured) and its decode speed and GGUF size against it."""
     quality = rows()
     out = []
     for model, (name, d_ff) in MODELS.items():
         for preset in (25, 50):
             res = resolved(d_ff, preset)
-            base = res["k-quants"]
-            for lay in dict.fromkeys(v for v in res.values() if v != base):
+            base = res[None]
+            layouts = {v: [f for f, w in res.items() if f and w == v] for v in res.values() if v != base}
+            for lay in measured_layouts(quality, model, preset):
+                layouts.setdefault(lay, []) if lay != base else None
+            for lay, serve in layouts.items():
                 n, sh, k = lay
                 slices, width = n + sh, d_ff // (n + sh)
-                row = {"model": name, "d_ff": d_ff, "preset": preset,
-                       "serve": [f for f, v in res.items() if v == lay], "slices": slices, "width": width,
-                       "top_k": k, "shared": sh, "base": {"slices": sum(base[:2]), "width": d_ff // sum(base[:2]),
-                                                           "top_k": base[2], "shared": base[1]}}
+                row = {"model": name, "d_ff": d_ff, "preset": preset, "serve": serve, "slices": slices,
+                       "width": width, "top_k": k, "shared": sh,
+                       "base": {"slices": sum(base[:2]), "width": d_ff // sum(base[:2]), "top_k": base[2],
+                                "shared": base[1]}}
                 for tokens, key in ((0, "trainingfree"), (65536, "tuned")):
                     mine = next((r for r in quality if r["model"] == model and r["preset"] == preset
                                  and r["tokens"] == tokens and r["layout"].startswith(f"{slices} × {width} ")
@@ -156,33 +171,37 @@ def tradeoff() -> list[dict]:
                     row[key] = None if mine is None or ship is None else [
                         round(f(nearer(mine, ship, t) for t in TEXTS), 4)
                         for f in (min, max)]
-                gguf = GGUF[row["serve"][0]]
+                gguf = GGUF[serve[0] if serve else None]
                 mine_name, base_name = serve_name(lay), serve_name(base)
                 row["decode"] = {"llama.cpp": decode_ratio(model, f"llamacpp-{gguf}", mine_name, base_name),
                                  "llama.cpp type": GGUF_NAME[gguf],
+                                 "file": decode_ratio(model, f"llamacpp-{gguf}", mine_name, base_name, "gguf_bytes"),
                                  "transformers": decode_ratio(model, "transformers", mine_name, base_name)}
-                out.append(row)
+                d = row["decode"]
+                if row["trainingfree"] or row["tuned"] or d["llama.cpp"] or d["transformers"]:  # measured
+                    out.append(row)
     return out
 
 
 def tradeoff_markdown(rs: list[dict]) -> str:
     pct = (lambda r: "–" if r is None else f"{r[0]:+.0%} … {r[1]:+.0%}")
     lines = ["| model (d_ff) | preset | --serve | layout | against | quality: training-free | tuned 65k | "
-             "decode llama.cpp | decode transformers |", "|---|---|---|---|---|---|---|---:|---:|"]
+             "decode llama.cpp | GGUF size | decode transformers |", "|---|---|---|---|---|---|---|---:|---:|---:|"]
     for r in rs:
         d = r["decode"]
         b = r["base"]
-        lines.append(f"| {r['model']} ({r['d_ff']:,}) | {r['preset']}% | {', '.join(r['serve'])} | "
+        lines.append(f"| {r['model']} ({r['d_ff']:,}) | {r['preset']}% | {', '.join(r['serve']) or '(measured)'} | "
                      f"{r['slices']} × {r['width']}, top-{r['top_k']} | "
                      f"{b['slices']} × {b['width']}, top-{b['top_k']} | "
                      f"{pct(r['trainingfree'])} | {pct(r['tuned'])} | "
                      + ("–" if d["llama.cpp"] is None else f"× {d['llama.cpp']:.2f} ({d['llama.cpp type']})")
+                     + " | " + ("–" if d["file"] is None else f"× {d['file']:.3f}")
                      + " | " + ("–" if d["transformers"] is None else f"× {d['transformers']:.2f}") + " |")
     return "\n".join(lines) + "\n"
 
 
 def packaged() -> str:
-    return json.dumps({"about": "moeify's --serve resolutions measured against the K-quant one (BENCHMARKS.md "
+    return json.dumps({"about": "the layouts --serve gives, and others measured, against each preset's own (BENCHMARKS.md "
                                 "\"Granularity and shared experts\"); written by scripts/granularity_table.py --write",
                        "rows": tradeoff()}, indent=1) + "\n"
 

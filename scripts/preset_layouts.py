@@ -111,7 +111,7 @@ def markdown(rows: list[dict]) -> str:
         groups.setdefault((r["d_ff"], r["preset"], tuple(r["engines_failing"])), []).append(r)
     names = {rule.name: rule for rule in SERVING_RULES}
     lines = ["| models (d_ff) | preset | experts: shared + top-k of routed | width | active | Q8_0 | K-quants "
-             "| vLLM FP8 / Marlin | `--serve` fp8 · q8_0 · bf16 |", "|---|---|---|---:|---:|---|---|---|---|"]
+             "| vLLM FP8 / Marlin | `--serve` k-quants · fp8 · q8_0 · bf16 |", "|---|---|---|---:|---:|---|---|---|---|"]
     for (d_ff, preset, fails), rs in groups.items():
         r = rs[0]
         models = ", ".join(x["model"] for x in rs) + f" ({d_ff:,})"
@@ -125,7 +125,7 @@ def markdown(rows: list[dict]) -> str:
                      f"| {_fits(s['llama.cpp Q8_0'], names['llama.cpp Q8_0'].per_gpu)} "
                      f"| {_fits(s['llama.cpp K-quants'], names['llama.cpp K-quants'].per_gpu)} "
                      f"| {vllm if vllm == marlin else vllm + ' / ' + marlin} "
-                     f"| {' · '.join(r['serve'][f] for f in ('fp8', 'q8_0', 'bf16'))} |")
+                     f"| {' · '.join(r['serve'][f] for f in ('k-quants', 'fp8', 'q8_0', 'bf16'))} |")
     return "\n".join(lines) + "\n"
 
 

@@ -23,19 +23,25 @@ USER_SHAPES = (8192, 11008, 13824, 14336, 28672)
 
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
 def test_presets_resolve_to_quantizable_widths_at_users_shapes(preset):
-    """Issue target: every preset, at d_ff 8,192 / 11,008 / 14,336 / 28,672 (and 13,824), has expert widths that are
-    multiples of 256 without padding, top-k ≤ 16 and the stated active share ± 2 points; SmolLM2's 1,536 resolves to
-    48 slices of 32 (Q8_0), not today's 64 slices of 24."""
+    """Every preset, at d_ff 8,192 / 11,008 / 14,336 / 28,672 (and 13,824), has expert widths that are multiples of
+    128 without padding (experts of 128 where d_ff has them: issue 54), top-k ≤ 16 and the stated active share ± 2
+    points; `--serve k-quants` gives multiples of 256 there; SmolLM2's 1,536 resolves to 48 slices of 32 (Q8_0)."""
+    from moeify.layout import serve_quanta
+
     layout = load_preset(preset)["layout"]
-    for d_ff in USER_SHAPES:
-        c = resolve_layout(layout, d_ff).chosen
-        assert c.width * c.slices == d_ff and c.width % 256 == 0, (d_ff, c)
-        assert 1 <= c.top_k <= 16 and c.experts + c.shared == c.slices
-        assert abs(c.active - layout.active) <= 0.02 + 1e-9, (d_ff, c)
-        assert abs(c.shared / c.slices - layout.shared) <= 0.5 / c.slices + 1e-9
-        assert 32 <= c.slices <= 128
-    c = resolve_layout(layout, 1536).chosen
-    assert (c.slices, c.width, c.active) == (48, 32, layout.active)
+    assert layout.width == 128
+    for lay, quantum in ((layout, 128), (layout.for_serving(serve_quanta("k-quants")), 256)):
+        for d_ff in USER_SHAPES:
+            c = resolve_layout(lay, d_ff).chosen
+            assert c.width * c.slices == d_ff and c.width % quantum == 0, (d_ff, c)
+            assert 1 <= c.top_k <= 16 and c.experts + c.shared == c.slices
+            assert abs(c.active - layout.active) <= 0.02 + 1e-9, (d_ff, c)
+            assert abs(c.shared / c.slices - layout.shared) <= 0.5 / c.slices + 1e-9
+            assert 32 <= c.slices <= 128
+            if quantum == 128 and d_ff * 2 // 128 <= 128 and c.width != 128:  # 128 reachable: only top-k > 16 stops it
+                assert layout.active * d_ff / 128 - layout.shared * d_ff / 128 > 16, (d_ff, c)
+        c = resolve_layout(lay, 1536).chosen
+        assert (c.slices, c.width, c.active) == (48, 32, layout.active)
 
 
 def test_resolution_rules_by_hand():
@@ -102,13 +108,13 @@ def test_preset_without_source_and_bad_layout_tables(tmp_path):
 def test_resolved_counts_and_reason_round_trip_through_moeify_toml(tmp_path):
     """OUT/moeify.toml records the resolved counts and the [layout] with the reason; used again as a preset it gives
     the same settings without resolving (the counts in it win), whatever model it is applied to."""
-    cfg = build_config(PRESETS[0], source=14336, calib=["x.txt"])
-    assert cfg.layout.resolved.startswith("d_ff 14,336 = 56 × 256")
+    cfg = build_config(PRESETS[0], source=14336, calib=["x.txt"])  # active-25: 112 x 128
+    assert cfg.layout.resolved.startswith("d_ff 14,336 = 112 × 128") and "preferred width 128" in cfg.layout.resolved
     toml = tmp_path / "moeify.toml"
     toml.write_text(config_to_toml(cfg, {"source": "somewhere"}))
     assert "[layout]" in toml.read_text() and "resolved = " in toml.read_text()
     again = build_config(toml)
-    assert again == cfg and again.experts + again.shared == 56
+    assert again == cfg and again.experts + again.shared == 112
 
 
 def test_convert_dry_run_and_plan_print_the_resolution(tmp_path, tokenizer_dir):
@@ -148,51 +154,62 @@ def test_converting_page_layout_table_is_what_plan_says():
     assert mod.page_table(mod.PAGE.read_text()) == table
     eight_b = [r for r in rows if r["model"] == "Llama-3/3.1-8B"]
     assert {r["preset"]: (r["shared"], r["top_k"], r["experts"], r["width"]) for r in eight_b} == \
-        {"active-50": (14, 14, 42, 256), "active-25": (7, 7, 49, 256)}
-    # every large d_ff that has a multiple of 256 for a width gets one (K-quants); Qwen2.5-0.5B (4,864 = 128 x 38) and
-    # -72B (29,568 = 128 x 231) have none, and get multiples of 128 (vLLM's FP8 block and Marlin kernels)
-    assert all(r["serving"]["llama.cpp K-quants"] for r in rows if r["d_ff"] >= 8192 and r["d_ff"] % 256 == 0)
+        {"active-50": (14, 14, 42, 256), "active-25": (14, 14, 98, 128)}  # 25%: 112 x 128 (top-28 stops it at 50%)
+    # every large d_ff that has a multiple of 256 for a width gets one with --serve k-quants; Qwen2.5-0.5B (4,864 =
+    # 128 x 38) and -72B (29,568 = 128 x 231) have none, and get multiples of 128 (vLLM's FP8 block and Marlin)
+    assert all(int(r["serve"]["k-quants"].split("×")[1]) % 256 == 0 for r in rows
+               if r["d_ff"] >= 8192 and r["d_ff"] % 256 == 0)
+    assert all(r["width"] % 128 == 0 for r in rows if r["d_ff"] >= 4096)
     assert all(r["width"] % 128 == 0 for r in rows if r["model"] in ("Qwen2.5-0.5B", "Qwen2.5-72B"))
     # plan's budget: half the FFN (5.64B) plus everything else (2.39B) of 8.03B is active at 50%
     assert 0.64 < eight_b[0]["active_params"] < 0.66
 
 
 def test_serve_resolves_the_preset_for_the_widths_a_serving_format_takes(tmp_path, tokenizer_dir):
-    """--serve picks the preset's layout for a serving format's widths: at the 0.5B Qwen's d_ff 4,864 the 25%
-    preset is 38 x 128 for K-quants and FP8 (256 divides no slice count near 64), 76 x 64 for Q8_0 (multiples of
-    32: the nearest to 64 slices), 64 x 76 for bf16 (any width: exactly 64); plan and convert --dry-run print the
-    four side by side; an unknown format is refused with the list."""
+    """--serve picks the preset's layout for a serving format's widths: the presets prefer experts of 128 (issue 54),
+    which FP8, Q8_0 and bf16 take and llama.cpp's K-quants do not: at the 0.5B Qwen's d_ff 4,864 every format gives
+    38 x 128 (256 divides no slice count near 64); at d_ff 8,192 the 25% preset is 64 x 128, and 32 x 256 with
+    --serve k-quants; at SmolLM2's 1,536 (no 128 near 64 slices) 48 x 32, 64 x 24 for bf16 (any width: exactly 64).
+    plan and convert --dry-run print the four side by side and what the others measured; an unknown format is
+    refused with the list."""
     from moeify.config import resolve_preset
 
     layout = load_preset("active-25")
-    got = {fmt: resolve_preset(dict(layout), 4864, serve=fmt) for fmt in ("k-quants", "fp8", "q8_0", "bf16")}
-    assert {f: (v["experts"] + v["shared"], v["shared"], v["top_k"]) for f, v in got.items()} == {
-        "k-quants": (38, 5, 5), "fp8": (38, 5, 5), "q8_0": (76, 10, 9), "bf16": (64, 8, 8)}
-    assert got["q8_0"]["layout"].resolved.startswith("--serve q8_0 (llama.cpp's Q8_0 / Q4_0 need widths of 32): "
-                                                     "d_ff 4,864 = 76 × 64")
-    src = build_dense(tmp_path / "dense", tokenizer_dir, intermediate_size=4864, hidden_size=32,
+
+    def counts(d_ff):
+        got = {fmt: resolve_preset(dict(layout), d_ff, serve=fmt) for fmt in (None, "k-quants", "fp8", "q8_0", "bf16")}
+        return {f: (v["experts"] + v["shared"], v["shared"], v["top_k"]) for f, v in got.items()}, got
+
+    assert counts(4864)[0] == dict.fromkeys((None, "k-quants", "fp8", "q8_0", "bf16"), (38, 5, 5))
+    assert counts(1536)[0] == {None: (48, 6, 6), "k-quants": (48, 6, 6), "fp8": (48, 6, 6), "q8_0": (48, 6, 6),
+                               "bf16": (64, 8, 8)}
+    at_1b, got = counts(8192)
+    assert at_1b == {None: (64, 8, 8), "k-quants": (32, 4, 4), "fp8": (64, 8, 8), "q8_0": (64, 8, 8),
+                     "bf16": (64, 8, 8)}
+    assert got["k-quants"]["layout"].resolved.startswith("--serve k-quants (llama.cpp's K-quants need widths of 256 "
+                                                         "(else 128, 32)): d_ff 8,192 = 32 × 256")
+    src = build_dense(tmp_path / "dense", tokenizer_dir, intermediate_size=8192, hidden_size=32,
                       num_hidden_layers=1)
-    res = CliRunner().invoke(app, ["plan", str(src), "--preset", "active-25", "--serve", "q8_0", "--json", "-"])
+    res = CliRunner().invoke(app, ["plan", str(src), "--preset", "active-25", "--serve", "k-quants", "--json", "-"])
     assert res.exit_code == 0, res.output
     plan = json.loads(res.stdout)
-    assert (plan["experts"], plan["shared"], plan["top_k"]) == (66, 10, 9)
+    assert (plan["experts"], plan["shared"], plan["top_k"]) == (28, 4, 4)
     assert [(a["serve"], a["experts"] + a["shared"], a["width"]) for a in plan["alternatives"]] == [
-        ("k-quants", 38, 128), ("fp8", 38, 128), ("q8_0", 76, 64), ("bf16", 64, 76)]
-    res = CliRunner().invoke(app, ["convert", str(src), str(tmp_path / "out"), "--preset", "active-25", "--serve",
-                                   "bf16", "--weight-only", "--dry-run"])
+        ("k-quants", 32, 256), ("fp8", 64, 128), ("q8_0", 64, 128), ("bf16", 64, 128)]
+    res = CliRunner().invoke(app, ["convert", str(src), str(tmp_path / "out"), "--preset", "active-25",
+                                   "--weight-only", "--dry-run"])
     assert res.exit_code == 0, res.output
     said = " ".join(res.output.split())
-    assert "the preset's layout by serving format (--serve)" in said and "76 × 64 10 + top-9 of 66 25.0%" in said
-    assert "d_ff 4,864 = 64 × 76" in said
-    from moeify.planning import measured_tradeoff  # what the finer layouts measured, under the --serve table
+    assert "the preset's layout by serving format (--serve)" in said and "32 × 256 4 + top-4 of 28 25.0%" in said
+    assert "d_ff 8,192 = 64 × 128" in said and "preferred width 128" in said
+    from moeify.planning import measured_tradeoff  # what the other layouts measured, under the --serve table
 
     measured = measured_tradeoff(0.25)
     assert {m["model"] for m in measured} >= {"Qwen2.5-Coder-0.5B", "SmolLM2-135M"} and measured_tradeoff(0.4) == []
-    assert "measured on real models: the finer layouts against the K-quant one" in said
-    q8 = next(m for m in measured if m["model"] == "Qwen2.5-Coder-0.5B" and m["serve"] == ["q8_0"])
-    assert (q8["slices"], q8["width"], q8["base"]["slices"], q8["base"]["width"]) == (76, 64, 38, 128)
-    assert f"76 × 64 {q8['trainingfree'][0] * 100:+.0f}…{q8['trainingfree'][1] * 100:+.0f}%" in said
-    assert f"{q8['decode']['llama.cpp']:.2f} Q8_0" in said
-    res = CliRunner().invoke(app, ["plan", str(src), "--preset", "active-25", "--serve", "q4"])
-    assert res.exit_code == 2 and "--serve 'q4' is not a serving format moeify knows — one of: k-quants, fp8, q8_0, " \
-        "bf16" in " ".join(res.stderr.split())
+    assert "measured on real models: other layouts against the preset's own" in said
+    coarse = next(m for m in measured if m["model"] == "Qwen2.5-Coder-0.5B" and m["width"] == 256)
+    assert (coarse["slices"], coarse["serve"], coarse["base"]["slices"], coarse["base"]["width"]) == (19, [], 38, 128)
+    assert coarse["trainingfree"][0] > 0  # the 256-wide experts were further from dense on every text
+    assert f"19 × 256 {coarse['trainingfree'][0] * 100:+.0f}…{coarse['trainingfree'][1] * 100:+.0f}%" in said
+    kq = next(m for m in measured if m["d_ff"] == 8192 and m["preset"] == 25)
+    assert kq["serve"] == ["k-quants"] and (kq["slices"], kq["base"]["slices"]) == (32, 64)
