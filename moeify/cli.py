@@ -314,7 +314,7 @@ def tune(
                                                    "dense model samples itself; each run samples new text "
                                                    "[default: 0.5]."),
     lr: Optional[float] = typer.Option(None, "--lr", "--tune-model-lr", help="Adam step relative to each weight's "
-                                       "RMS [default: 0.003; an upcycle's or merge's training 0.01]."),
+                                       "RMS [default: 0.003]."),
     tune_router: Optional[bool] = typer.Option(None, "--tune-router/--freeze-router", help="Also train the routers "
                                                "[default: on]."),
     tune_attention: Optional[bool] = typer.Option(None, "--tune-attention/--experts-only", help="Also train "

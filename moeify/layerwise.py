@@ -90,12 +90,17 @@ class LayerStack:
         return [tuple(self.reader.get(f"{block}experts.{e}.{n}.weight") for n in names) for e in range(self.n_experts)]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.get("model.embed_tokens.weight"))
+        """The rows of ids, float32 (the matrix is read as stored, never whole in float32)."""
+        w = self.reader.get("model.embed_tokens.weight")
+        rows = w[ids]
+        return (rows.to(self.rounded_to) if self.rounded_to is not None else rows).float()
 
     def head(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(final norm weight, output matrix), float32."""
+        """(final norm weight float32, output matrix as stored (rounded through rounded_to): `head_logits` upcasts
+        it a block of rows at a time, so a 128k-vocabulary head is never held whole in float32)."""
         name = "model.embed_tokens.weight" if self.tied or "lm_head.weight" not in self.reader.tensors else "lm_head.weight"
-        return self.get("model.norm.weight"), self.get(name)
+        w = self.reader.get(name)
+        return self.get("model.norm.weight"), w.to(self.rounded_to) if self.rounded_to is not None else w
 
 
 def source_stack(src: SourceModel, reader: CheckpointReader, rounded_to: torch.dtype | None = None) -> LayerStack:
@@ -185,14 +190,24 @@ def stream_hidden(stacks: list[LayerStack], ids: torch.Tensor,
             progress("checking", i + 1, n_layers)
     finals = []
     for s, h in zip(stacks, hidden):
-        norm, _ = s.head()
+        norm = s.get("model.norm.weight")
         eps = getattr(s.config, "rms_norm_eps", 1e-6)
         finals.append(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm)
     return finals
 
 
+HEAD_ROWS = 16384  # output-matrix rows upcast to float32 at a time
+
+
+def head_logits(final: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """final (tokens, d) float32 @ w.T, w upcast HEAD_ROWS rows at a time (the same products as w.float())."""
+    if w.dtype == torch.float32:
+        return final @ w.T
+    return torch.cat([final @ w[r:r + HEAD_ROWS].float().T for r in range(0, w.shape[0], HEAD_ROWS)], dim=-1)
+
+
 def logits(stack: LayerStack, final: torch.Tensor) -> torch.Tensor:
-    return final @ stack.head()[1].T
+    return head_logits(final, stack.head()[1])
 
 
 @torch.no_grad()
@@ -203,7 +218,7 @@ def max_logit_diff(ref: LayerStack, ref_final: torch.Tensor, other: LayerStack, 
     w_ref, w = ref.head()[1], other.head()[1]
     diff = scale = 0.0
     for s in range(0, a.shape[0], chunk):
-        la, lb = a[s:s + chunk] @ w_ref.T, b[s:s + chunk] @ w.T
+        la, lb = head_logits(a[s:s + chunk], w_ref), head_logits(b[s:s + chunk], w)
         diff, scale = max(diff, (la - lb).abs().max().item()), max(scale, la.abs().max().item())
     return diff, scale
 
@@ -216,7 +231,7 @@ def kl_to_reference(ref: LayerStack, ref_final: torch.Tensor, other: LayerStack,
     w_ref, w = ref.head()[1], other.head()[1]
     total = 0.0
     for s in range(0, a.shape[0], chunk):
-        lp, lq = F.log_softmax(a[s:s + chunk] @ w_ref.T, -1), F.log_softmax(b[s:s + chunk] @ w.T, -1)
+        lp, lq = F.log_softmax(head_logits(a[s:s + chunk], w_ref), -1), F.log_softmax(head_logits(b[s:s + chunk], w), -1)
         total += (lp.exp() * (lp - lq)).sum().item()
     return total / a.shape[0]
 

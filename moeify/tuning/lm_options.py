@@ -23,7 +23,7 @@ class TrainOptions:
 
     tokens: int  # training tokens of this run
     text: tuple[str, ...]  # the training text (.txt / .jsonl); its last windows are held out
-    lr: float = 0.01  # Adam step relative to each trained tensor's RMS at the start of the run
+    lr: float = 0.003  # Adam step relative to each trained tensor's RMS at the start of the run
     train_router: bool = True
     train_experts: bool = True  # the routed experts and the shared expert (False: --router-only)
     train_attention: bool = False  # also attention projections and norms
