@@ -182,10 +182,9 @@ def _train(out: Path, opts: TrainOptions, train: torch.Tensor, held: torch.Tenso
     from transformers.utils import logging as hf_logging
 
     from ..distill import WindowStream
-
-    hf_logging.disable_progress_bar()  # the run's own bar is on screen
     from ..numerics import tuning_autocast
 
+    hf_logging.disable_progress_bar()  # the run's own bar is on screen
     model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).to(dev)
     model.eval()  # no dropout; the router's jitter off: a step is a function of the weights and the windows
     n, k = _counts(model.config)
