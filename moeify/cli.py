@@ -196,7 +196,7 @@ def convert(
     serve: Optional[str] = typer.Option(None, "--serve", help="The serving format the preset's layout is resolved "
                                         "for: k-quants (llama.cpp Q4_K_M: widths of 256) | fp8 (vLLM FP8 block, "
                                         "Marlin: 128) | q8_0 (llama.cpp Q8_0/Q4_0: 32) | bf16 (any width) "
-                                        "[default: the preset's own widths: 256, else 128, else 32]."),
+                                        "[default: the preset's own: experts of 128 where d_ff has them, else 256, 128, 32]."),
     target: Optional[list[str]] = typer.Option(None, "--target", help="A serving engine the output must run in: "
                                                "transformers | vllm | llama.cpp (repeatable, or comma-separated); "
                                                "convert refuses a layout a target cannot run. The presets name all "
@@ -461,7 +461,7 @@ def plan_cmd(
     serve: Optional[str] = typer.Option(None, "--serve", help="The serving format the preset's layout is resolved "
                                         "for: k-quants (llama.cpp Q4_K_M: widths of 256) | fp8 (vLLM FP8 block, "
                                         "Marlin: 128) | q8_0 (llama.cpp Q8_0/Q4_0: 32) | bf16 (any width) "
-                                        "[default: the preset's own widths: 256, else 128, else 32]."),
+                                        "[default: the preset's own: experts of 128 where d_ff has them, else 256, 128, 32]."),
     json_dest: Optional[str] = _json_option("The numbers of every regime, with serving fit."),
 ) -> None:
     """Parameters, activated parameters and FFN FLOPs per token of an MoE built from a dense config, for the
