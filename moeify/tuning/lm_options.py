@@ -52,7 +52,8 @@ class TrainOptions:
         for name in ("seq_len", "step_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 2:
-                raise MoeifyError(f"--{name.replace('_', '-')} must be an integer of at least 2, got {v!r}")
+                flag = "--step-tokens" if name == "step_tokens" else name  # seq_len: the Python API's
+                raise MoeifyError(f"{flag} must be an integer of at least 2, got {v!r}")
 
 
 def is_trainable_output(out: Path) -> bool:
