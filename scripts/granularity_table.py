@@ -154,7 +154,8 @@ def tradeoff() -> list[dict]:
             base = res[None]
             layouts = {v: [f for f, w in res.items() if f and w == v] for v in res.values() if v != base}
             for lay in measured_layouts(quality, model, preset):
-                layouts.setdefault(lay, []) if lay != base else None
+                if lay != base:
+                    layouts.setdefault(lay, [])
             for lay, serve in layouts.items():
                 n, sh, k = lay
                 slices, width = n + sh, d_ff // (n + sh)
