@@ -121,6 +121,24 @@ def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+def kill_at_step(proc, state: Path, step: int, timeout: float = 120.0) -> None:
+    """SIGKILL the tuning process `proc` once its saved state (state.json) has reached `step`; fails the test when
+    the run ends first."""
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if json.loads(state.read_text())["meta"]["step"] >= step:
+                break
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.002)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    proc.kill()
+    proc.wait()
+
+
 def rewrite(path: Path, edit) -> None:
     """Load a safetensors file, let `edit` change the dict of tensors, save it back (damaging a checkpoint)."""
     tensors = load_file(str(path))

@@ -9,7 +9,7 @@ import signal
 
 import pytest
 import torch
-from conftest import build_dense, corpus_text, read_json, tree_hash
+from conftest import build_dense, corpus_text, kill_at_step, read_json, tree_hash
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -173,3 +173,28 @@ def test_a_mix_of_texts_is_held_out_from_every_text(upcycled, tmp_path, text):
     first, second = text_windows(upcycled[1], [text], 32), text_windows(upcycled[1], [other], 32)
     assert seq == 32 and held.shape[0] >= 2 and train.shape[0] + held.shape[0] == first.shape[0] + second.shape[0]
     assert any(torch.equal(h, first[-1]) for h in held) and any(torch.equal(h, second[-1]) for h in held)
+
+
+def test_kill_9_mid_run_then_resume_gives_the_weights_of_an_uninterrupted_run(upcycled, tmp_path, text):
+    """Training in a process of its own, saving after every step, killed with SIGKILL at some step; `--resume` in
+    another process ends where a run that was never interrupted ends, and clears its state."""
+    import subprocess
+    import sys
+    import time
+
+    whole, out = fresh(upcycled, tmp_path / "a"), fresh(upcycled, tmp_path / "b")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = ("import sys, moeify; moeify.train(sys.argv[1], 640, text=[sys.argv[2]], lr=0.03, save_every=0, "
+           "seq_len=32, step_tokens=64)")
+    subprocess.run([sys.executable, "-c", run, str(whole), str(text)], env=env, check=True, capture_output=True)
+    proc = subprocess.Popen([sys.executable, "-c", run, str(out), str(text)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    state, kill_after = tmp_path / "b" / "moe.moeify-tune" / "state.json", 2 + int(time.time() * 1000) % 6
+    kill_at_step(proc, state, kill_after)  # some step in 2..7 of 10
+    assert 0 < read_json(state)["meta"]["step"] < 10
+    done = subprocess.run([sys.executable, "-c", "from moeify.cli import main; main()", "tune", str(out), "--resume"],
+                          env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    a, b = tensors(whole), tensors(out)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not state.parent.exists()

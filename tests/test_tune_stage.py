@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from conftest import build_dense, load
+from conftest import build_dense, kill_at_step, load
 from moeify.config import build_config
 from moeify.conversion import plan_conversion, run_conversion
 from moeify.errors import MoeifyError
@@ -186,17 +186,7 @@ def test_kill_9_at_a_random_step_then_resume_gives_the_same_weights(carved, tmp_
     subprocess.run(cmd + [str(a)] + flags, env=env, check=True, capture_output=True)
     proc = subprocess.Popen(cmd + [str(b)] + flags, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     state, kill_after = state_dir(b) / "state.json", 2 + int(time.time() * 1000) % 5  # some step in 2..6 of 8
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        try:
-            if json.loads(state.read_text())["meta"]["step"] >= kill_after:
-                break
-        except (OSError, ValueError, KeyError):
-            pass
-        time.sleep(0.002)
-    assert proc.poll() is None, "the run finished before it could be killed"
-    proc.kill()
-    proc.wait()
+    kill_at_step(proc, state, kill_after)
     assert json.loads(state.read_text())["meta"]["step"] < 8
     done = subprocess.run(cmd + [str(b), "--resume"], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
