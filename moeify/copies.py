@@ -20,6 +20,7 @@ Breaking the symmetry (identical copies get identical gradients, and a router be
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ from .errors import MoeifyError
 
 BREAKS = ("none", "drop", "permute", "noise")
 SHARED_GATE_FACTOR = 2  # the shared expert's down_proj × 2: its gate is sigmoid(~0) = 1/2
+DRAW_CHUNK = 1 << 20  # elements one generator draws: fixed, so that the values do not depend on the thread count
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,33 @@ def random_router(copies: int, d_model: int, std: float, generator: torch.Genera
     return torch.randn(copies, d_model, generator=generator) * std
 
 
+def normal(shape: tuple[int, int], mean: float, std: float, generator: torch.Generator,
+           dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A (rows, cols) matrix of N(mean, std²) draws in `dtype`, drawn in float32 in blocks of rows of about
+    DRAW_CHUNK elements, each block from its own generator seeded by one draw of `generator`. torch draws normals on
+    one core; the blocks run in threads (torch.get_num_threads()), so that re-initialising an 8B model's experts is
+    not bound by one core, and give the same values at any thread count."""
+    rows, cols = shape
+    out = torch.empty(rows, cols, dtype=dtype)
+    base = int(torch.randint(0, 2 ** 62, (1,), generator=generator))
+    per = max(1, DRAW_CHUNK // max(cols, 1))
+    blocks = list(enumerate(range(0, rows, per)))
+
+    def fill(block: tuple[int, int]) -> None:
+        j, r0 = block
+        g = torch.Generator().manual_seed(base + j)
+        out[r0:r0 + per] = torch.empty(min(per, rows - r0), cols).normal_(mean, std, generator=g).to(dtype)
+
+    workers = min(torch.get_num_threads(), len(blocks))
+    if workers <= 1:
+        for b in blocks:
+            fill(b)
+    else:
+        with ThreadPoolExecutor(workers) as pool:  # torch's kernels release the GIL
+            list(pool.map(fill, blocks))
+    return out
+
+
 def drop_reinit(expert: tuple[torch.Tensor, torch.Tensor, torch.Tensor], share: float,
                 stats: tuple[tuple[float, float], tuple[float, float], tuple[float, float]],
                 generator: torch.Generator) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], int]:
@@ -162,9 +191,9 @@ def drop_reinit(expert: tuple[torch.Tensor, torch.Tensor, torch.Tensor], share: 
     idx = torch.randperm(w, generator=generator)[:n]
     (gm, gs), (um, us), (dm, ds) = stats
     gate, up, down = gate.clone(), up.clone(), down.clone()
-    gate[idx] = (torch.randn(n, gate.shape[1], generator=generator) * gs + gm).to(gate.dtype)
-    up[idx] = (torch.randn(n, up.shape[1], generator=generator) * us + um).to(up.dtype)
-    down[:, idx] = (torch.randn(down.shape[0], n, generator=generator) * ds + dm).to(down.dtype)
+    gate[idx] = normal((n, gate.shape[1]), gm, gs, generator, gate.dtype)
+    up[idx] = normal((n, up.shape[1]), um, us, generator, up.dtype)
+    down[:, idx] = normal((down.shape[0], n), dm, ds, generator, down.dtype)
     return (gate, up, down), n
 
 
@@ -180,7 +209,7 @@ def add_noise(expert: tuple[torch.Tensor, torch.Tensor, torch.Tensor], scale: fl
     (down's × its factor): noise relative to the weights, the same in every matrix."""
     out = []
     for t, s in zip(expert, stds):
-        out.append((t.float() + torch.randn(t.shape, generator=generator) * (scale * s)).to(t.dtype))
+        out.append((t.float() + normal(tuple(t.shape), 0.0, scale * s, generator)).to(t.dtype))
     return tuple(out)
 
 
@@ -193,5 +222,5 @@ def matrix_stats(t: torch.Tensor) -> tuple[float, float]:
 
 __all__ = ["BREAKS", "UpcycleLayout", "divisors", "shared_neurons", "routed_neurons", "copy_orders", "copy_expert",
            "copy_experts", "drop_count",
-           "shared_expert", "group_router", "random_router", "drop_reinit", "add_noise", "matrix_stats",
+           "shared_expert", "group_router", "random_router", "drop_reinit", "add_noise", "matrix_stats", "normal",
            "SHARED_GATE_FACTOR"]

@@ -80,6 +80,25 @@ def test_drop_reinit_draws_the_share_from_the_source_statistics():
     assert torch.equal(u2[~changed], up[~changed])
 
 
+def test_normal_draws_the_same_values_at_any_thread_count(monkeypatch):
+    import moeify.copies as copies
+
+    monkeypatch.setattr(copies, "DRAW_CHUNK", 1000)  # 9 blocks of 111 rows (and a short last one)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = copies.normal((1000, 9), 0.5, 2.0, torch.Generator().manual_seed(3), torch.bfloat16)
+        torch.set_num_threads(4)
+        four = copies.normal((1000, 9), 0.5, 2.0, torch.Generator().manual_seed(3), torch.bfloat16)
+    finally:
+        torch.set_num_threads(threads)
+    assert one.dtype == torch.bfloat16 and torch.equal(one, four)
+    assert abs(one.float().mean().item() - 0.5) < 0.1 and abs(one.float().std().item() - 2.0) < 0.1
+    assert not torch.equal(one[:111], one[111:222])  # each block its own draws
+    other = copies.normal((1000, 9), 0.5, 2.0, torch.Generator().manual_seed(4), torch.bfloat16)
+    assert not torch.equal(one, other)
+
+
 def test_noise_is_relative_to_each_matrix():
     gate, up, down = ffn(d_ff=256, d=64)
     noisy = add_noise((gate, up, down), 0.01, (1.0, 1.0, 2.0), torch.Generator().manual_seed(0))
