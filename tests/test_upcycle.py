@@ -103,6 +103,34 @@ def test_a_large_output_is_checked_from_regenerated_experts_with_the_same_result
     assert regen["kl_to_source"] == pytest.approx(read["kl_to_source"], rel=1e-5)
 
 
+def test_the_check_reads_a_layers_experts_from_the_files_one_at_a_time(tmp_path):
+    """Building a layer for the streamed check holds one expert's tensors as read besides the fused ones, not the
+    whole layer's twice (the peak at the Llama-3-8B widths, E8: BENCHMARKS "Speed and memory")."""
+    import weakref
+
+    from moeify.checkpoint import CheckpointReader
+    from moeify.layerwise import moe_stack
+
+    src = build_dense(tmp_path / "dense")
+    upcycle(src, tmp_path / "moe", copies=4, top_k=2)
+    reader = CheckpointReader(tmp_path / "moe")
+    stack, live, most = moe_stack(tmp_path / "moe", reader), [], [0]
+    get = reader.get
+
+    def counted(name):
+        t = get(name)
+        if ".experts." in name:
+            live.append(weakref.ref(t))
+            most[0] = max(most[0], sum(r() is not None for r in live))
+        return t
+
+    reader.get = counted
+    layer = stack.layer(0)
+    assert most[0] == 3 and len(live) == 4 * 3  # gate, up and down of one expert alive at a time, every expert read
+    assert layer.mlp.experts.gate_up_proj.shape[0] == 4
+    reader.close()
+
+
 def test_a_construction_that_is_not_exact_is_refused_and_nothing_is_written(tmp_path, monkeypatch):
     src = build_dense(tmp_path / "dense")
     import moeify.upcycling as up
