@@ -25,7 +25,7 @@ from .families import SourceModel, family_classes
 MOE_CLASSES = {"mixtral": ("MixtralConfig", "MixtralDecoderLayer", "MixtralRotaryEmbedding"),
                "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeDecoderLayer", "Qwen2MoeRotaryEmbedding"),
                "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeDecoderLayer", "Qwen3MoeRotaryEmbedding")}
-ExpertOverride = Callable[[int], "Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None"]  # len + iter
+ExpertOverride = Callable[[int], "Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None"]  # by index
 
 
 @dataclass
@@ -54,29 +54,26 @@ class LayerStack:
         with torch.device("meta"):
             layer = self.layer_cls(self.config, i)
         keys = list(layer.state_dict())
-        state = {}
-        if self.fmt is not None and "mlp.experts.gate_up_proj" in keys:
-            state["mlp.experts.gate_up_proj"], state["mlp.experts.down_proj"] = self._fused_experts(i)
-        state.update({k: self._tensor(i, k).float() for k in keys if k not in state})
-        layer.load_state_dict(state, assign=True)
+        fused = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"} if self.fmt is not None else set()
+        fused &= set(keys)
+        state = {k: self._tensor(i, k).float() for k in keys if k not in fused}
+        missing = layer.load_state_dict(state, assign=True, strict=False).missing_keys
+        assert set(missing) == fused, missing
+        if fused:  # left unmaterialised: STORED_DTYPE_EXPERTS fetches each expert as the tokens reach it
+            layer.mlp.experts.moeify_experts = self._experts(i)
         return layer.eval()
 
-    def _fused_experts(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up (E, 2w, d_model), down (E, d_model, w)) as transformers fuses the per-expert tensors on load, in
-        the dtype they are stored in (each expert is upcast as it is used: STORED_DTYPE_EXPERTS), filled one expert at
-        a time (from the files, or from expert_override)."""
+    def _experts(self, i: int):
+        """Layer i's routed experts, (gate, up, down) by index as the checkpoint stores them: read from the files
+        when asked for (or made by expert_override), so that a layer holds the expert in use, not all of them (an
+        upcycle of Llama-3-8B into E8 would hold 2.8 GB a layer)."""
         block = f"model.layers.{i}." + ("block_sparse_moe." if self.fmt == "mixtral" else "mlp.")
-        experts = (self.expert_override(i) if self.expert_override else None) or self._experts(block)
-        gate_up = down = None
-        stream = iter(experts)
-        for e in range(len(experts)):
-            g, u, d = next(stream)  # (enumerate would keep the last expert alive while the next is read)
-            if gate_up is None:
-                gate_up = torch.empty(len(experts), 2 * g.shape[0], g.shape[1], dtype=g.dtype)
-                down = torch.empty(len(experts), *d.shape, dtype=g.dtype)
-            gate_up[e, :g.shape[0]], gate_up[e, g.shape[0]:], down[e] = g, u, d  # gate rows, then up rows
-            del g, u, d  # freed before the next expert is read
-        return gate_up, down
+        override = self.expert_override(i) if self.expert_override else None
+        if override is not None:
+            return override
+        names = ("w1", "w3", "w2") if self.fmt == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+        return _ReadExperts(self.reader, [tuple(f"{block}experts.{e}.{n}.weight" for n in names)
+                                          for e in range(self.n_experts)])
 
     def _tensor(self, i: int, key: str) -> torch.Tensor:
         p = f"model.layers.{i}."
@@ -87,11 +84,6 @@ class LayerStack:
         if block + sub in self.reader.tensors:  # router, shared expert, shared gate
             return self.reader.get(block + sub)
         return self.reader.get(p + key)  # a dense layer of a Qwen2-MoE / Qwen3-MoE (mlp_only_layers)
-
-    def _experts(self, block: str) -> "_ReadExperts":
-        names = ("w1", "w3", "w2") if self.fmt == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-        return _ReadExperts(self.reader, [tuple(f"{block}experts.{e}.{n}.weight" for n in names)
-                                          for e in range(self.n_experts)])
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows of ids, float32 (the matrix is read as stored, never whole in float32)."""
@@ -108,8 +100,7 @@ class LayerStack:
 
 
 class _ReadExperts:
-    """A layer's experts as (gate, up, down), each read from the files when it is reached: filling the fused tensors
-    holds one expert's copy at a time, not the layer's twice (the Llama-3-8B widths at E8: 0.35 GB, not 2.8)."""
+    """A layer's experts as (gate, up, down) by index, each read from the files when it is asked for."""
 
     def __init__(self, reader: CheckpointReader, names: list[tuple[str, str, str]]):
         self.reader, self.names = reader, names
@@ -117,9 +108,8 @@ class _ReadExperts:
     def __len__(self) -> int:
         return len(self.names)
 
-    def __iter__(self):
-        for names in self.names:
-            yield tuple(self.reader.get(n) for n in names)
+    def __getitem__(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return tuple(self.reader.get(n) for n in self.names[e])
 
 
 def source_stack(src: SourceModel, reader: CheckpointReader, rounded_to: torch.dtype | None = None) -> LayerStack:
@@ -153,8 +143,10 @@ STORED_DTYPE_EXPERTS = "moeify_stored_dtype"
 def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' eager experts loop (the same products, in the same order), each expert's weights upcast to the
-    hidden states' dtype as it is used: the layer holds them as the checkpoint stores them (bf16: half of float32's
-    bytes; an upcycle of Llama-3-8B into E8 holds 2.8 GB a layer instead of 5.6) and computes in float32."""
+    hidden states' dtype as it is used. A layer that LayerStack built holds no experts (`moeify_experts`: each fetched
+    as stored when a token first reaches it, freed after its product), so the streamed check of an E8 upcycle of
+    Llama-3-8B holds one expert, not a layer's 2.8 GB (bf16) or 5.6 GB (float32)."""
+    fetch = getattr(self, "moeify_experts", None)
     final = torch.zeros_like(hidden_states)
     mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
     for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():
@@ -163,9 +155,16 @@ def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
             continue
         pos, tok = torch.where(mask[e])
         x = hidden_states[tok]
-        h = self._apply_gate(F.linear(x, self.gate_up_proj[e].to(x.dtype)))
-        y = F.linear(h, self.down_proj[e].to(x.dtype)) * top_k_weights[tok, pos, None]
+        if fetch is None:
+            gate_up, down = self.gate_up_proj[e], self.down_proj[e]
+        else:
+            gate, up, down = fetch[e]
+            gate_up = torch.cat([gate, up])  # transformers' fused layout: the gate rows, then the up rows
+            del gate, up
+        h = self._apply_gate(F.linear(x, gate_up.to(x.dtype)))
+        y = F.linear(h, down.to(x.dtype)) * top_k_weights[tok, pos, None]
         final.index_add_(0, tok, y.to(final.dtype))
+        del gate_up, down  # before the next expert is fetched
     return final
 
 

@@ -259,6 +259,9 @@ class LazyExperts:
     def __iter__(self):
         return (self._make(e) for e in range(self._n))
 
+    def __getitem__(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self._make(e)
+
     def cast(self, dtype: torch.dtype) -> "LazyExperts":
         return LazyExperts(lambda n: tuple(t.to(dtype) for t in self._make(n)), self._n)
 
