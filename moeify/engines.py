@@ -40,12 +40,15 @@ class EngineNote:
 
 def engine_notes(fmt: str, top_k: int, experts: int, shared_width: int, padded_width: int, tied_out: bool,
                  dense_layers: int, head_dim: int, hidden: int, heads: int, qkv_bias: bool = False,
-                 renormalised: bool = False) -> list[EngineNote]:
+                 renormalised: bool = False, upcycle: str | None = None) -> list[EngineNote]:
     """What each engine says of a planned layout (empty: every engine runs it as well as its width allows).
     qkv_bias: the source has q/k/v biases (Qwen2), so Mixtral is no way out. renormalised: a Qwen2-MoE written with
-    norm_topk_prob true (an upcycle), which llama.cpp's qwen2moe does not honour."""
+    norm_topk_prob true (an upcycle), which llama.cpp's qwen2moe does not honour. upcycle: "upcycle" or "merge", whose
+    flags the fixes then name (--shared-width, --granularity; a merge has no shared expert), not convert's."""
     notes = []
     mixtral = "" if qkv_bias else "use --format mixtral or "
+    shared_fix = {"upcycle": "--shared-width W", "merge": "serve it with transformers: a merge has no shared expert"
+                  }.get(upcycle or "", "--shared S")
     if fmt == "qwen2_moe" and renormalised:
         notes.append(EngineNote("llama.cpp", True, "its qwen2moe never renormalises the top-k weights (it ignores "
                                 "norm_topk_prob), so the copies' outputs are scaled by their share of the softmax and "
@@ -54,6 +57,8 @@ def engine_notes(fmt: str, top_k: int, experts: int, shared_width: int, padded_w
     if top_k > LLAMACPP_MAX_TOPK:
         notes.append(EngineNote("llama.cpp", True, f"top-k {top_k} overflows its compute graph (more than "
                                 f"{LLAMACPP_MAX_TOPK} experts per token abort with GGML_ASSERT(obj_new))",
+                                f"use --top-k ≤ {LLAMACPP_MAX_TOPK}: fewer, wider slices (a smaller --granularity)"
+                                if upcycle else
                                 f"use --top-k ≤ {LLAMACPP_MAX_TOPK}: fewer, wider experts (e.g. --experts "
                                 f"{max(2, experts * LLAMACPP_MAX_TOPK // top_k)} --top-k {LLAMACPP_MAX_TOPK}) or a "
                                 "shared expert"))
@@ -66,10 +71,10 @@ def engine_notes(fmt: str, top_k: int, experts: int, shared_width: int, padded_w
                                     "leave out --dense-layers"))
         if not shared_width:
             notes.append(EngineNote("llama.cpp", True, "its qwen2moe expects a shared expert",
-                                    f"{mixtral}--shared S"))
+                                    f"{mixtral}{shared_fix}"))
             notes.append(EngineNote("vllm", True, "its Qwen2-MoE builds no shared expert at "
                                     "shared_expert_intermediate_size 0 and refuses the checkpoint's empty "
-                                    "shared_expert tensors", f"{mixtral}--shared S"))
+                                    "shared_expert tensors", f"{mixtral}{shared_fix}"))
         if head_dim * heads != hidden:
             fix = "use --format mixtral" if not qkv_bias else "serve it with transformers or llama.cpp"
             if shared_width and not qkv_bias:  # the Mixtral layout with the same share of neurons active, top-k within llama.cpp's
@@ -91,7 +96,9 @@ def engine_notes(fmt: str, top_k: int, experts: int, shared_width: int, padded_w
                                     f" the same {share:.0%} active"))
     if padded_width % 32:
         notes.append(EngineNote("llama.cpp", False, f"expert width {padded_width} is not a multiple of 32: Q8_0/Q4_0 "
-                                "fall back to a wider type for the experts", "--pad-experts-to 32, or fewer experts"))
+                                "fall back to a wider type for the experts",
+                                "a --granularity whose slices are multiples of 32" if upcycle else
+                                "--pad-experts-to 32, or fewer experts"))
     return notes
 
 

@@ -132,7 +132,8 @@ class UpcyclePlan:
 
         s, lay = self.src, self.layout
         return engine_notes(self.fmt, lay.top_k, lay.n_experts, lay.shared_width, lay.expert_width,
-                            self.src.tied, 0, s.head_dim, s.hidden, s.heads, s.qkv_bias, renormalised=True)
+                            self.src.tied, 0, s.head_dim, s.hidden, s.heads, s.qkv_bias, renormalised=True,
+                            upcycle="merge" if self.sources else "upcycle")
 
     def summary(self) -> dict:
         lay = self.layout

@@ -173,6 +173,8 @@ def test_an_interrupted_upcycle_leaves_nothing_behind(tmp_path, monkeypatch):
     (dict(), ["--shared-width", "32", "--target", "llama.cpp"], "llama.cpp cannot run this layout: its qwen2moe "
                                                                  "never renormalises"),
     (dict(), ["--check-text", "SHORT"], "--check-text has"),
+    (dict(family="qwen2"), ["--target", "vllm"], "refuses the checkpoint's empty shared_expert tensors — "
+                                                 "--shared-width W"),
 ])
 def test_bad_inputs_get_one_line_exit_2_and_leave_nothing(tmp_path, tokenizer_dir, source_kw, args, message):
     src = build_dense(tmp_path / "dense", tokenizer_dir, **source_kw)
