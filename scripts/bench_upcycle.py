@@ -66,6 +66,11 @@ def score(path: Path, ids: torch.Tensor, seq: int, ref: list[torch.Tensor] | Non
     return out | ({"logits": logits} if ref is None else {"max_logit_diff": diff, "kl": kl_sum / len(windows)})
 
 
+def kl(ref: torch.Tensor, other: torch.Tensor) -> float:
+    lp, lq = F.log_softmax(ref, -1), F.log_softmax(other, -1)
+    return float((lp.exp() * (lp - lq)).sum(-1).mean())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, required=True)
