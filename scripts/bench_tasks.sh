@@ -1,0 +1,40 @@
+#!/bin/bash
+# Zero-shot task accuracy of the presets as users get them (BENCHMARKS "Zero-shot task accuracy"): each step carves
+# (calibrated on the bundled sample, as `moeify convert --preset` does), tunes on the preset's 262,144 tokens where
+# it says so, and scores the dense model beside its outputs with scripts/bench_tasks.py on the first 100 items of
+# each of the six tasks; a step is resumable (an interrupted tune goes on with --resume) and writes its result file
+# at once:
+#     bash scripts/bench_tasks.sh [STEP...]
+# steps (each ~2 cores alone, 2026-11 timings):
+#   smollm2-262k   SmolLM2-135M, both presets tuned on 262,144 tokens    (~50 min a tune + ~45 min of tasks)
+#   qwen05-free    Qwen2.5-Coder-0.5B, both presets training-free          (~10 min of carving + ~2.5 h of tasks)
+# Run it alone (nice is fine): tuning and scoring share nothing with other jobs but the cores.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TASKS="--task-data ../shared/tasks --limit 100 --max-tokens 4096"
+carve() {  # SRC OUT PRESET: the training-free carve, unless it is there
+  [ -f "$2/report.json" ] || .venv/bin/moeify convert "$1" "$2" --preset "configs/active-$3.toml" --no-tune --overwrite
+}
+tuned() {  # SRC CARVE OUT TOKENS: the carve tuned on TOKENS, resumed if a run was interrupted
+  if [ -d "$3.moeify-tune" ]; then
+    .venv/bin/moeify tune "$1" "$3" --resume
+  elif ! grep -q '"tuning"' "$3/report.json" 2>/dev/null; then
+    rm -rf "$3" && cp -r "$2" "$3" && .venv/bin/moeify tune "$1" "$3" --tokens "$4"
+  fi
+}
+for step in ${*:-smollm2-262k}; do
+  case $step in
+    smollm2-262k)
+      for p in 50 25; do
+        carve models/smollm2-135m out/smollm2-a$p $p
+        tuned models/smollm2-135m out/smollm2-a$p out/tasks-s$p-262k 262144
+      done
+      .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/tasks-s50-262k out/tasks-s25-262k $TASKS \
+        --out results/quality/tasks-smollm2-262k-limit100.json ;;
+    qwen05-free)
+      for p in 50 25; do carve models/qwen2.5-coder-0.5b out/qwen05-a$p $p; done
+      .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/qwen05-a50 out/qwen05-a25 $TASKS \
+        --out results/quality/tasks-qwen05-trainingfree-limit100.json ;;
+    *) echo "bench_tasks.sh: unknown step $step (smollm2-262k, qwen05-free)" >&2; exit 2 ;;
+  esac
+done
