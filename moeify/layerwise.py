@@ -2,7 +2,8 @@
 Qwen3, or the Mixtral / Qwen2-MoE / Qwen3-MoE an output holds) built on the meta device and loaded with one layer's
 tensors from the shards, so a 70B source and its upcycled 400B MoE can be compared on a few tokens with one layer of
 each resident. The MoE side runs the stock block: its router, top-k and (non-)renormalisation as the class computes
-them, the per-expert tensors of the files fused as transformers fuses them on load.
+them, each expert's tensors read from the files (or made) when tokens first reach it and joined as transformers fuses
+them on load, so that a layer holds one expert at a time.
 
 `stream_hidden` gives each model's final hidden states (after the final norm); `logits` and `kl_to_reference` turn
 them into what the upcycle check and `verify --against` compare, a chunk of tokens at a time.
@@ -58,7 +59,8 @@ class LayerStack:
         fused &= set(keys)
         state = {k: self._tensor(i, k).float() for k in keys if k not in fused}
         missing = layer.load_state_dict(state, assign=True, strict=False).missing_keys
-        assert set(missing) == fused, missing
+        if set(missing) != fused:
+            raise RuntimeError(f"layer {i} of {self.layer_cls.__name__}: no weights for {sorted(set(missing) - fused)}")
         if fused:  # left unmaterialised: STORED_DTYPE_EXPERTS fetches each expert as the tokens reach it
             layer.mlp.experts.moeify_experts = self._experts(i)
         return layer.eval()
