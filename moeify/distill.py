@@ -68,9 +68,10 @@ class DistillSettings:
     # every step, as a timer of steps needs); a CPU's show every step
     moe_kernel: str = "auto"  # masked | grouped | auto (grouped on a GPU, masked on a CPU: moeify.moe_block;
     # MOEIFY_MOE_KERNEL overrides auto)
-    compile_model: bool = False  # the training step's teacher and student forwards through torch.compile (opt-in
-    # until a GPU run measures it: scripts/bench_gpu.py --speed-only times both; MOEIFY_COMPILE_MODEL=1 turns it on,
-    # MOEIFY_COMPILE=0 off; MOEIFY_COMPILE_BACKEND picks the backend, inductor by default)
+    compile_model: bool | None = None  # the training step's teacher and student forwards through torch.compile;
+    # None: on a GPU only (H200, SmolLM2's shape, 50% preset: 93,000 against 65,500 tokens/s uncompiled; CPUs not
+    # measured: BENCHMARKS.md "GPU"); MOEIFY_COMPILE_MODEL=1 / 0 overrides, MOEIFY_COMPILE=0 turns it off;
+    # MOEIFY_COMPILE_BACKEND picks the backend, inductor by default
     warmup_steps: int = 5
     schedule_from: float = 0.0  # where in its cosine the run starts (0: the peak); a continued run's schedule is the
     # rest of one cosine over its earlier tokens and these (moeify.tuning.TuneOptions.schedule_from)
@@ -242,13 +243,21 @@ def eager_forwards(teacher, student) -> tuple[Callable, Callable]:
     return (lambda ids: final_hidden(teacher, ids)), (lambda ids: final_hidden(student, ids))
 
 
+def wants_compile(settings: DistillSettings, device: torch.device) -> bool:
+    """Whether the training step's forwards go through torch.compile: settings.compile_model, None meaning on a GPU
+    only; MOEIFY_COMPILE_MODEL=1 / 0 overrides; MOEIFY_COMPILE=0 turns every compilation off."""
+    default = settings.compile_model if settings.compile_model is not None else torch.device(device).type == "cuda"
+    want = os.environ.get("MOEIFY_COMPILE_MODEL", "1" if default else "0") == "1"
+    return want and os.environ.get("MOEIFY_COMPILE", "1") != "0"
+
+
 def compiled_forwards(teacher, student, settings: DistillSettings) -> tuple[Callable, Callable, bool]:
     """(teacher's final hidden states, student's, compiled or not) for the training step: final_hidden itself, or
     each model's decoder stack through torch.compile (static shapes: a step's micro-batches are one size) where
-    settings.compile_model or MOEIFY_COMPILE_MODEL=1 asks and MOEIFY_COMPILE is not 0. The compiled modules share
-    the models' parameters; the held-out checks stay eager (other batch sizes would recompile)."""
-    want = os.environ.get("MOEIFY_COMPILE_MODEL", "1" if settings.compile_model else "0") == "1"
-    if not want or os.environ.get("MOEIFY_COMPILE", "1") == "0":
+    settings.compile_model asks (None: where the student is on a GPU), MOEIFY_COMPILE_MODEL=1 / 0 overriding it, and
+    MOEIFY_COMPILE is not 0. The compiled modules share the models' parameters; the held-out checks stay eager (other
+    batch sizes would recompile)."""
+    if not wants_compile(settings, next(student.parameters()).device):
         return (*eager_forwards(teacher, student), False)
     backend = os.environ.get("MOEIFY_COMPILE_BACKEND", "inductor")
     ct, cs = (torch.compile(m.model, dynamic=False, backend=backend) for m in (teacher, student))

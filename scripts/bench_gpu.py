@@ -21,11 +21,14 @@ would start past --budget-s is skipped, so a budgeted run always returns what it
    alone, e.g. once scripts/device_carry.py has brought the model to a device machine).
 
 --speed-only (the speed rows of the GPU-speed issue, one call of a few minutes): for SmolLM2's shape and the 8B
-widths, the tuning step of a --speed-tokens run (`tune --dry-run`: its steps as the run sizes them) with each MoE
-kernel (MOEIFY_MOE_KERNEL masked / grouped) and with the grouped one under torch.compile (MOEIFY_COMPILE_MODEL=1:
-the teacher's and student's forwards compiled, inductor), its sampling rate and MFU by its FLOPs (teacher forward 2N + student
-forward and backward 6N of the active weights), beside a dense bf16 training step of the same model at the same
-tokens a step (compiled, fused AdamW, SDPA; its MFU by 6N) and the ratio of their times a token.
+widths, the tuning step of a --speed-tokens run (`tune --dry-run`: its steps as the run sizes them, and the whole
+run's time as it prices it) with the grouped MoE kernel under torch.compile (a GPU run's default: the teacher's and
+student's forwards compiled, inductor), its sampling rate and MFU by its FLOPs (teacher forward 2N + student forward
+and backward 6N of the active weights), beside a dense bf16 training step of the same model at the same tokens a
+step (compiled, fused AdamW, SDPA; its MFU by 6N) and the ratio of their times a token. Each row is its own
+budgeted step, most wanted first: SmolLM2's 50% preset and the dense step, the sampling rate, the 25% preset, the
+8B widths with their dense step; then the 50% preset eager and with the masked kernel (MOEIFY_MOE_KERNEL,
+MOEIFY_COMPILE_MODEL). Each dry run costs about 70 s on an H200 (start, loading, a batch of sampling, compiling).
 
 The device run of that issue, prepared: `--speed-only --offline` (no model to carry: SmolLM2's shape with synthetic
 weights, the speed does not depend on them), then, with the real model carried (scripts/device_carry.py),
@@ -101,8 +104,9 @@ def decode_speed(path: Path, device: str, dtype: torch.dtype, prompt: int, new: 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}  # dense, no sparsity
 
 
-# the tuning step's variants timed side by side: the MoE block's kernel, and the forwards through torch.compile
-KERNEL_VARIANTS = (("masked", False), ("grouped", False), ("grouped", True))
+# the tuning step's variants timed side by side: the MoE block's kernel, and the forwards through torch.compile;
+# the first is what a run on a GPU takes (moeify.distill: grouped, compiled)
+KERNEL_VARIANTS = (("grouped", True), ("grouped", False), ("masked", False))
 
 
 def peak_flops(name: str) -> float | None:
@@ -374,28 +378,35 @@ def main() -> None:
         return (f"{run['seconds_per_1k_tokens']:.2f} s per 1,024 tokens, peak {run['peak_bytes'] / 1e9:.2f} GB, "
                 f"predicted {run['predicted_peak_bytes'] / 1e9:.2f} GB, wall {r['wall_s']:.0f} s")
 
-    # 0. speed: the tuning step with each MoE kernel beside a dense bf16 training step of the same tokens
-    def speed(name: str) -> str:
+    # 0. speed: the tuning step (per MoE kernel, compiled or not) beside a dense bf16 training step of the same tokens
+    def speed_row(name: str, preset: str, kernel: str, compiled: bool) -> str:
         row = results["speed"].setdefault(name, {"tuning": {}})
         dense_cfg = json.loads((shapes[name] / "config.json").read_text())
-        for preset in ("active-50", "active-25"):
-            if (name, preset) not in carves:
-                continue
-            moe_cfg = json.loads((carves[(name, preset)] / "config.json").read_text())
-            for kernel, compiled in KERNEL_VARIANTS:
-                est = moeify(budget, "tune", str(shapes[name]), str(carves[(name, preset)]), "--tokens",
-                             str(args.speed_tokens), "--dry-run", *dev, json_out=True,
-                             env={"MOEIFY_MOE_KERNEL": kernel, "MOEIFY_COMPILE_MODEL": "1" if compiled else "0"})
-                flops = tuning_flops_per_token(dense_cfg, moe_cfg)
-                peak = peak_flops(results["device"]) if cuda else None
-                row["tuning"][f"{preset} {kernel}{' compiled' if compiled else ''}"] = {
-                    "moe_kernel": est.get("moe_kernel"), "compiled": est.get("compiled"),
-                    "tokens_per_second": est["tokens_per_second"], "step_tokens": est["step_tokens"],
-                    "micro_windows": est.get("micro_windows"), "teacher": est.get("teacher"),
-                    "peak_bytes": est["peak_bytes"], "sampling_tokens_per_second": 1024 / est["sampling_seconds_per_1k"],
-                    "sample_batch": est["sample_batch"], "flops_per_token": flops,
-                    "mfu": flops * est["tokens_per_second"] / peak if peak else None}
-                save()
+        moe_cfg = json.loads((carves[(name, preset)] / "config.json").read_text())
+        est = moeify(budget, "tune", str(shapes[name]), str(carves[(name, preset)]), "--tokens",
+                     str(args.speed_tokens), "--dry-run", *dev, json_out=True,
+                     env={"MOEIFY_MOE_KERNEL": kernel, "MOEIFY_COMPILE_MODEL": "1" if compiled else "0"})
+        flops = tuning_flops_per_token(dense_cfg, moe_cfg)
+        peak = peak_flops(results["device"]) if cuda else None
+        r = row["tuning"][f"{preset} {kernel}{' compiled' if compiled else ''}"] = {
+            "moe_kernel": est.get("moe_kernel"), "compiled": est.get("compiled"),
+            "tokens_per_second": est["tokens_per_second"], "step_tokens": est["step_tokens"],
+            "micro_windows": est.get("micro_windows"), "teacher": est.get("teacher"),
+            "peak_bytes": est["peak_bytes"], "sampling_tokens_per_second": 1024 / est["sampling_seconds_per_1k"],
+            "sample_batch": est["sample_batch"], "flops_per_token": flops,
+            "mfu": flops * est["tokens_per_second"] / peak if peak else None,
+            # the whole --speed-tokens run as the dry run prices it (steps, sampling, teacher pass), and 1M / 10M
+            "run_tokens": est["tokens"], "run_estimated_seconds": est["estimated_seconds"],
+            "run_sampling_seconds": est["sampling_seconds"], "seconds_for_tokens": est.get("seconds_for_tokens"),
+            "wall_s": est["wall_s"]}
+        if "dense" in row:
+            r["time_ratio_to_dense"] = row["dense"]["tokens_per_second"] / r["tokens_per_second"]
+        return (f"{r['tokens_per_second']:,.0f} tok/s"
+                + (f" ({r['time_ratio_to_dense']:.2f}x dense)" if "dense" in row else "")
+                + f", a {est['tokens']:,}-token run ~{est['estimated_seconds']:.0f} s")
+
+    def speed_dense(name: str) -> str:  # sized like the first tuning row (its step's tokens and windows a forward)
+        row = results["speed"][name]
         first = next(iter(row["tuning"].values()))
         report = json.loads((carves[(name, "active-50")] / "report.json").read_text())
         seq = int(report.get("calibration", {}).get("seq_len") or 512)  # the tuning windows' length
@@ -403,15 +414,18 @@ def main() -> None:
                                         first["micro_windows"] or 1, 1 if args.quick else 4)
         for v in row["tuning"].values():  # time a token takes, tuning over dense
             v["time_ratio_to_dense"] = row["dense"]["tokens_per_second"] / v["tokens_per_second"]
-        save()
+        return f"{row['dense']['tokens_per_second']:,.0f} tok/s; " + ", ".join(
+            f"{k} {v['time_ratio_to_dense']:.2f}x dense" for k, v in row["tuning"].items())
+
+    def speed_sampling(name: str, keep: bool) -> str:  # the dense model's own text: inline (a GPU run's), kept hidden
+        row = results["speed"][name]
+        first = next(iter(row["tuning"].values()))
+        report = json.loads((carves[(name, "active-50")] / "report.json").read_text())
+        seq = int(report.get("calibration", {}).get("seq_len") or 512)
         batch, sseq = (2, 32) if args.quick else (first["sample_batch"], seq)
-        row["sampling"] = {("kept hidden" if keep else "inline"): sampling_speed(shapes[name], args.device, batch,
-                                                                                 sseq, keep)
-                           for keep in (False, True)}
-        save()
-        return ", ".join(f"{k} {v['tokens_per_second']:,.0f} tok/s ({v['time_ratio_to_dense']:.2f}x dense)"
-                         for k, v in row["tuning"].items()) + f"; dense {row['dense']['tokens_per_second']:,.0f} tok/s" \
-            + "; sampling " + ", ".join(f"{k} {v['tokens_per_second']:,.0f} tok/s" for k, v in row["sampling"].items())
+        r = row.setdefault("sampling", {})["kept hidden" if keep else "inline"] = sampling_speed(
+            shapes[name], args.device, batch, sseq, keep)
+        return f"{r['tokens_per_second']:,.0f} tok/s"
 
     def carved(name: str, *presets: str) -> None:
         for preset in presets:
@@ -442,15 +456,34 @@ def main() -> None:
         sys.exit(1 if results["errors"] and args.quick else 0)
 
     if args.speed_only:  # SmolLM2 (real or its shape) and the 8B widths: tuning step, dense step, sampling, MFU
+        # most wanted first (a spent budget skips the rest): the step a GPU run takes (grouped kernel, compiled)
+        # beside the dense step, the sampling rate, the 25% preset, the 8B widths; then the other kernels
+        smol = "smollm2-135m"
         smollm2_shape()
-        carved("smollm2-135m", "active-50", *(() if args.quick else ("active-25",)))
-        if ("smollm2-135m", "active-50") in carves:
-            step("speed smollm2-135m", speed, "smollm2-135m", need=60)
+        carved(smol, "active-50")
+
+        def speeds(name: str, preset: str, *variants: tuple[str, bool]) -> None:
+            for kernel, compiled in variants:
+                if (name, preset) in carves:
+                    step(f"speed {name} {preset} {kernel}{' compiled' if compiled else ''}", speed_row, name, preset,
+                         kernel, compiled, need=60)
+
+        speeds(smol, "active-50", KERNEL_VARIANTS[0])
+        if results["speed"].get(smol, {}).get("tuning"):
+            step(f"dense step {smol}", speed_dense, smol, need=40)
+            step(f"sampling {smol} inline", speed_sampling, smol, False, need=30)
+        if not args.quick:
+            carved(smol, "active-25")
+            speeds(smol, "active-25", KERNEL_VARIANTS[0])
         if not args.quick and args.layers_8b:
             make(big, args.big_shape, "--layers", str(args.layers_8b))
             carved(big, "active-50")
-            if (big, "active-50") in carves:
-                step(f"speed {big}", speed, big, need=60)
+            speeds(big, "active-50", KERNEL_VARIANTS[0])
+            if results["speed"].get(big, {}).get("tuning"):
+                step(f"dense step {big}", speed_dense, big, need=40)
+        speeds(smol, "active-50", *KERNEL_VARIANTS[1:])
+        if results["speed"].get(smol, {}).get("tuning"):
+            step(f"sampling {smol} kept hidden", speed_sampling, smol, True, need=30)
         finish()
     if not (args.quick or args.skip_1b or args.curve_only):
         make("llama3.2-1b", "llama3.2-1b")

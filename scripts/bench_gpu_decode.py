@@ -40,10 +40,12 @@ BACKENDS = ("eager", "grouped_mm", "batched_mm", "batched_mm static+compile")
 DENSE = ("dynamic", "static+compile")
 
 
-def make(path: Path, shape: str, quick: bool) -> Path:
+def make(path: Path, shape: str, quick: bool, layers: int = 0) -> Path:
     if not (path / "config.json").is_file():
         extra = ["--layers", "2", "--hidden", "64", "--intermediate", "512", "--heads", "4", "--kv-heads", "2",
                  "--vocab", "512", "--dtype", "float32"] if quick else ["--dtype", "bfloat16"]
+        if layers:
+            extra += ["--layers", str(layers)]
         subprocess.run([sys.executable, str(ROOT / "scripts" / "make_synthetic_checkpoint.py"), str(path),
                         "--shape", shape, *extra], check=True, stdout=subprocess.DEVNULL)
     return path
@@ -94,6 +96,9 @@ def speed(path: Path, config: str, device: str, dtype: torch.dtype, batch: int, 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="llama3.2-1b,llama3-8b", help="scripts/make_synthetic_checkpoint.py shapes")
+    ap.add_argument("--backends", default=",".join(BACKENDS), help="the carves' experts backends, comma-separated "
+                    f"(of: {', '.join(BACKENDS)}); the dense model runs with the caches they use")
+    ap.add_argument("--layers", type=int, default=0, help="decoder layers of every shape (0: the shape's own)")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
@@ -109,6 +114,10 @@ def main(argv=None) -> None:
     if args.quick:
         args.prompt, args.new, args.rounds = 8, 4, 1
     batches = [int(b) for b in args.batches.split(",")]
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if unknown := [b for b in backends if b not in BACKENDS]:
+        ap.error(f"--backends: unknown {', '.join(unknown)} (known: {', '.join(BACKENDS)})")
+    dense_caches = [c for c in DENSE if any(("static" in b) == ("static" in c) for b in backends)]
     gpu = torch.cuda.get_device_name(0) if args.device.startswith("cuda") and torch.cuda.is_available() else None
     import transformers
 
@@ -127,17 +136,18 @@ def main(argv=None) -> None:
             save()
             continue
         try:
-            dense = make(args.work / shape, shape, args.quick)
-            models = {"dense": dense, **{p: carve(dense, p, args.work / f"{shape}-{p}")
+            label = shape + (f"-{args.layers}l" if args.layers else "")
+            dense = make(args.work / label, shape, args.quick, args.layers)
+            models = {"dense": dense, **{p: carve(dense, p, args.work / f"{label}-{p}")
                                          for p in ("active-50", "active-25")}}
         except subprocess.CalledProcessError as e:
             out["errors"][shape] = str(e)
             save()
             continue
         for name, path in models.items():
-            for config in (DENSE if name == "dense" else BACKENDS):
+            for config in (dense_caches if name == "dense" else backends):
                 for batch in batches:
-                    key = f"{shape} | {name} | {config} | batch {batch}"
+                    key = f"{label} | {name} | {config} | batch {batch}"
                     if time.monotonic() - t0 > args.budget_s:
                         out["skipped"].append(key)
                         continue
@@ -145,7 +155,7 @@ def main(argv=None) -> None:
                         tok_s = speed(path, config, args.device, dtype, batch, args.prompt, args.new, args.rounds)
                         out["rows"][key] = tok_s
                         cache = "static+compile" if "static" in config else "dynamic"
-                        base = out["rows"].get(f"{shape} | dense | {cache} | batch {batch}")
+                        base = out["rows"].get(f"{label} | dense | {cache} | batch {batch}")
                         print(f"{key}: {tok_s:.1f} tok/s" + (f" ({tok_s / base:.2f}x dense)" if base else ""),
                               flush=True)
                     except Exception as e:  # noqa: BLE001 - a backend this transformers or device lacks

@@ -98,10 +98,11 @@ def test_bench_gpu_speed_rows_and_curve_points_run_on_cpu(tmp_path, tokenizer_di
     # (--quick: the 50% preset only; on the CPU the grouped kernel computes masked in float32, as the run would)
     assert set(speed["tuning"]) == {"active-50 masked", "active-50 grouped", "active-50 grouped compiled"}
     assert [(r["compiled"], r["moe_kernel"]) for r in speed["tuning"].values()] == [
-        (False, "masked"), (False, "grouped"), (True, "grouped")]
+        (True, "grouped"), (False, "grouped"), (False, "masked")]  # a GPU run's default first
     for row in speed["tuning"].values():
         assert row["tokens_per_second"] > 0 and row["step_tokens"] == 1024 and row["time_ratio_to_dense"] > 0
         assert row["sampling_tokens_per_second"] > 0 and row["flops_per_token"] > 0
+        assert row["run_tokens"] == 2048 and row["run_estimated_seconds"] > 0
     assert speed["dense"]["tokens_per_second"] > 0 and speed["dense"]["step_tokens"] == 1024
     assert {k: v["tokens_per_second"] > 0 for k, v in speed["sampling"].items()} == {"inline": True,
                                                                                      "kept hidden": True}
@@ -138,3 +139,41 @@ def test_bench_gpu_decode_times_every_backend_and_stops_at_its_budget(tmp_path):
                           "--json", str(out)], capture_output=True, text=True,
                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert res.returncode == 0 and json.loads(out.read_text())["skipped"] == ["llama3.2-1b", "tiny"]
+    # a shorter call: some backends (the dense model under the caches they use), another depth
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu_decode.py"), "--device", "cpu", "--quick",
+                          "--shapes", "llama3.2-1b", "--backends", "batched_mm static+compile", "--layers", "1",
+                          "--batches", "1", "--work", str(tmp_path / "work"), "--json", str(out)],
+                         capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert set(json.loads(out.read_text())["rows"]) == {
+        "llama3.2-1b-1l | dense | static+compile | batch 1", "llama3.2-1b-1l | active-50 | batched_mm static+compile "
+        "| batch 1", "llama3.2-1b-1l | active-25 | batched_mm static+compile | batch 1"}
+    assert json.loads((tmp_path / "work" / "llama3.2-1b-1l" / "config.json").read_text())["num_hidden_layers"] == 1
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu_decode.py"), "--device", "cpu", "--quick",
+                          "--backends", "grouped,eager", "--json", str(out)], capture_output=True, text=True)
+    assert res.returncode == 2 and "--backends: unknown grouped" in res.stderr
+
+
+def test_profile_decode_step_counts_each_part_of_a_dense_model_and_its_carve(tmp_path, tokenizer_dir):
+    """scripts/profile_decode_step.py on the CPU: one decode step's operators by part, the dense model's FFN in
+    'dense mlp', the carve's in its router, shared expert and routed experts, the attention alike in both."""
+    dense = build_dense(tmp_path / "dense", tokenizer_dir, num_hidden_layers=2, intermediate_size=128)
+    carve = tmp_path / "carve"
+    res = subprocess.run([sys.executable, "-m", "moeify", "convert", str(dense), str(carve), "--preset",
+                          str(ROOT / "configs" / "active-50.toml"), "--weight-only"], capture_output=True, text=True,
+                         cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = tmp_path / "profile.json"
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_decode_step.py"), str(dense), str(carve),
+                          "--device", "cpu", "--dtype", "float32", "--prompt", "8", "--warmup", "1", "--json",
+                          str(out)], capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(out.read_text())
+    d, m = got["rows"]["dense"]["operators"], got["rows"]["carve"]["operators"]
+    assert got["unit"] == "operators" and got["layers"] == 2
+    assert d["dense mlp"] == 2 * 5  # per layer: gate, up, down products, the activation, the product of the two
+    assert "routed experts" not in d and "router" not in d
+    assert m.get("dense mlp", 0) == 0 and m["routed experts"] > 0 and m["router"] > 0 and m["shared expert"] > 0
+    assert m["attention"] == d["attention"] > 0
+    assert got["rows"]["carve"]["total"] > got["rows"]["dense"]["total"]
+    assert "one decode step, operators by part" in res.stdout

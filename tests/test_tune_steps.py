@@ -234,3 +234,25 @@ def test_the_compiled_step_trains_what_the_eager_one_trains(monkeypatch, kernel,
     tol = 1e-5 if autocast == "off" else 2e-2
     assert (flat[2] - flat[1]).norm() <= tol * moved
     assert i1["holdout_kl_after"] == pytest.approx(i0["holdout_kl_after"], rel=max(tol, 1e-5))
+
+
+def test_the_step_compiles_on_a_gpu_by_default_and_the_environment_overrides(monkeypatch):
+    """compile_model None: compiled where the student is on a GPU (measured faster there: BENCHMARKS.md "GPU"),
+    eager on a CPU; MOEIFY_COMPILE_MODEL=0 / 1 overrides either way, MOEIFY_COMPILE=0 turns it off, and a setting
+    given explicitly is kept."""
+    from moeify.distill import DistillSettings, wants_compile
+
+    for name in ("MOEIFY_COMPILE_MODEL", "MOEIFY_COMPILE"):
+        monkeypatch.delenv(name, raising=False)
+    auto = DistillSettings(tokens=1024)
+    assert auto.compile_model is None
+    assert wants_compile(auto, torch.device("cuda", 0)) is True
+    assert wants_compile(auto, torch.device("cpu")) is False
+    assert wants_compile(DistillSettings(tokens=1024, compile_model=True), torch.device("cpu")) is True
+    assert wants_compile(DistillSettings(tokens=1024, compile_model=False), torch.device("cuda")) is False
+    monkeypatch.setenv("MOEIFY_COMPILE_MODEL", "0")
+    assert wants_compile(auto, torch.device("cuda")) is False
+    monkeypatch.setenv("MOEIFY_COMPILE_MODEL", "1")
+    assert wants_compile(auto, torch.device("cpu")) is True
+    monkeypatch.setenv("MOEIFY_COMPILE", "0")
+    assert wants_compile(auto, torch.device("cuda")) is False
