@@ -14,7 +14,7 @@ text from the dense model (moeify.sampling.sample_text, batch 64, 112 new tokens
 the 512 of real tuning windows, so a lower bound). Wall and CPU seconds for each. The teacher's modules are frozen
 as moeify freezes them, so the student's steps compute no weight gradients for the head, embeddings or attention
 it shares with the teacher (until 2026-11-26 this bench left them trainable and overstated the step by ~18%).
-"targets kept, KL unfused": the same step with the KL's softmax part eager instead of compiled (kl_and_diff);
+"targets kept, KL unfused": the same step with the KL's softmax part eager instead of compiled (moeify.kl.kl_and_diff);
 "float32 logits" (under bf16 autocast): the KL's two logit products in float32 (DistillSettings.kl_logits
 "float32"; the default runs them in bf16 where autocast is on).
 --quick: the rows of how `moeify tune` runs (dense, the loop's step fused and unfused, the teacher pass).

@@ -230,7 +230,8 @@ def _tiny_student():
 def test_distill_starts_at_the_carved_model_and_lowers_held_out_kl():
     """Step 0 of the student is the carved model (log scale at the carve's scale), the KL is 0 for a student equal
     to the teacher, and training lowers the held-out KL of a carved student."""
-    from moeify.distill import DistillSettings, chunked_kl, distill, final_hidden
+    from moeify.distill import DistillSettings, distill, final_hidden
+    from moeify.kl import chunked_kl
 
     teacher, student, ids = _tiny_student()
     with torch.no_grad():
@@ -251,7 +252,7 @@ def test_chunked_kl_gradient_computed_in_forward_equals_autograds():
     autocast the loss stays float32-exact and the gradient is close."""
     import torch.nn.functional as F
 
-    from moeify.distill import chunked_kl
+    from moeify.kl import chunked_kl
 
     gen = torch.Generator().manual_seed(0)
     head0 = torch.randn(50, 8, generator=gen)
@@ -282,7 +283,7 @@ def test_kl_logits_in_the_autocast_dtype_only_for_the_training_kl_under_autocast
     """kl_logits "autocast": under bf16 autocast the training KL's logit products run in bf16 (the loss moves by
     bf16 rounding, the gradient stays close); without autocast, and for the held-out check (no gradient), the KL is
     the float32 one exactly; an unknown value is refused by name."""
-    from moeify.distill import chunked_kl
+    from moeify.kl import chunked_kl
 
     gen = torch.Generator().manual_seed(2)
     head, ht, hs0 = (torch.randn(*s, generator=gen) for s in ((200, 16), (12, 16), (12, 16)))
@@ -310,8 +311,8 @@ def test_fused_kl_equals_eager_and_falls_back(monkeypatch):
     """The KL's softmax part compiled (torch.compile, the path of large logits) gives the eager loss and gradients to
     float32 rounding; where compiling fails (at torch.compile or at the first call) it warns once and computes the
     same result eagerly."""
-    from moeify import distill
-    from moeify.distill import chunked_kl
+    from moeify import kl as distill
+    from moeify.kl import chunked_kl
 
     gen = torch.Generator().manual_seed(1)
     head0, ht, hs0 = (torch.randn(*s, generator=gen) for s in ((300, 16), (28, 16), (28, 16)))
