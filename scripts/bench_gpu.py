@@ -224,10 +224,6 @@ def main() -> None:
     ap.add_argument("--calib-tokens", type=int, default=16384, help="calibration tokens of the synthetic shapes")
     ap.add_argument("--curve-tokens", type=int, default=8 * 2**20, help="the curve's last total of tuning tokens")
     ap.add_argument("--first-tokens", type=int, default=262144, help="the curve's first run")
-    ap.add_argument("--curve-single", action="store_true", help="each point of the curve one run of its total from "
-                    "the carve (as `convert --tune-tokens N` tunes), not continued legs: 2x the tokens for the same "
-                    "points, and the better schedule at equal tokens (BENCHMARKS.md, \"One schedule or continued "
-                    "ones\")")
     ap.add_argument("--offload-tokens", type=int, default=16384, help="tokens of the plain and offloaded tuning runs")
     ap.add_argument("--eval-tokens", type=int, default=8192)
     ap.add_argument("--eval", type=Path, nargs="+", default=None, help="held-out texts [default: bench_curve.py's "
@@ -564,18 +560,16 @@ def main() -> None:
                     results["curve_fit"][text] = fit_asymptote(pts)
             return f"{len(results['curve'])} points, fits: " + ", ".join(
                 f"{k} r_inf {v['r_inf']:.3f} b {v['b']:.2f}" for k, v in results["curve_fit"].items())
-        total, run_tokens = 0, args.first_tokens
-        while ((run_tokens if args.curve_single else total + run_tokens) <= max(args.curve_tokens, args.first_tokens)
-               and budget.left() > 30):
+        total, run_tokens = 0, args.first_tokens  # continued legs, each doubling the total
+        while total + run_tokens <= max(args.curve_tokens, args.first_tokens) and budget.left() > 30:
             # a leg twice the last one's tokens that the budget would stop measures nothing: end here
-            if results["curve"] and not fits(2 * results["curve"][-1]["tokens"] if not args.curve_single
-                                             else run_tokens):
+            if results["curve"] and not fits(2 * results["curve"][-1]["tokens"]):
                 break
-            row = point(run_tokens, args.curve_single or not results["curve"])
-            total = run_tokens if args.curve_single else total + run_tokens
+            row = point(run_tokens, not results["curve"])
+            total += run_tokens
             results["curve"].append({**row, "tokens": total})
             save()
-            run_tokens = 2 * total if args.curve_single else total  # double the total
+            run_tokens = total
         return f"{len(results['curve'])} points"
 
     if not real:

@@ -4,9 +4,9 @@ in transformers, under torch's profiler.
     python scripts/profile_decode_step.py DENSE CARVE [CARVE...] [--experts batched_mm] [--device cuda] [--json F]
 
 For each model: the kernels one decode step launches on a GPU (on a CPU, the outermost aten operators, each about
-one kernel on a GPU: view-like operators left out) and their time, grouped by the module they ran in (attention, the dense MLP, the MoE
-block's router, shared expert and routed experts; the rest: norms, embedding, head), each model's rows beside the
-dense one's. At batch 1 a 1B model's weights take well under a millisecond to read on an H200, so a decode step's
+one kernel on a GPU: view-like operators left out) and their time, grouped by the module they ran in (attention,
+the dense MLP, the MoE block's router and routing, shared expert and routed experts; the rest: norms, embedding,
+head), each model's rows beside the dense one's. At batch 1 a 1B model's weights take well under a millisecond to read on an H200, so a decode step's
 time there is the count of kernels times their launch and tail costs: the table says how many more the MoE block
 launches, and in which part, which is what a fused experts kernel would remove.
 

@@ -27,6 +27,8 @@ def test_bench_gpu_runs_every_step_on_cpu(tmp_path, tokenizer_dir):
     tuning = out["tuning"]["smollm2-135m"]
     assert tuning["tokens_per_second"] > 0 and tuning["predicted_peak_bytes"] > 0
     assert [p["tokens"] for p in out["curve"]] == [1024, 2048]
+    points = json.loads((tmp_path / "work" / "curve.json").read_text())["points"]
+    assert [[r["tokens"] for r in p["runs"]] for p in points] == [[1024], [1024, 1024]]  # the second leg continued
     assert all(0 < p["holdout_kl_after"] <= p["holdout_kl_before"] and p["seconds_per_1k_tokens"] > 0
                for p in out["curve"])  # each leg's own record, from its report
     assert all(0 < r < 100 for p in out["curve"] for r in p["ratio"].values())  # scored (a random model: any ratio)
@@ -53,28 +55,9 @@ def test_bench_gpu_skips_steps_past_its_budget_and_builds_smollm2_offline(tmp_pa
     assert out["skipped"] == ["make smollm2-135m", "curve (synthetic weights)"]
 
 
-def test_bench_gpu_curve_only_runs_the_curve_alone(tmp_path, tokenizer_dir):
-    dense = build_dense(tmp_path / "dense", tokenizer_dir, num_hidden_layers=2, intermediate_size=128,
-                        initializer_range=0.3)
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--device", "cpu", "--quick",
-                          "--curve-only", "--model", str(dense), "--work", str(tmp_path / "work"), "--calib",
-                          str(CORPUS), "--eval", str(CORPUS), "--eval-tokens", "1024", "--first-tokens", "1024",
-                          "--curve-tokens", "1024", "--json", str(tmp_path / "gpu.json")],
-                         capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
-    assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-2000:]
-    out = json.loads((tmp_path / "gpu.json").read_text())
-    assert set(out["carve"]["smollm2-135m"]) == {"active-50"} and [p["tokens"] for p in out["curve"]] == [1024]
-    assert out["tuning"] == {} and out["decode"] == {} and out["offload"] == {} and out["errors"] == {}
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--device", "cpu", "--quick",
-                          "--curve-only", "--curve-single", "--model", str(dense), "--work", str(tmp_path / "work1"),
-                          "--calib", str(CORPUS), "--eval", str(CORPUS), "--eval-tokens", "1024", "--first-tokens",
-                          "1024", "--curve-tokens", "2048", "--json", str(tmp_path / "single.json")],
-                         capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
-    assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-2000:]
-    single = json.loads((tmp_path / "single.json").read_text())["curve"]
-    assert [p["tokens"] for p in single] == [1024, 2048]  # each point one run from the carve: the same start
-    points = json.loads((tmp_path / "work1" / "curve.json").read_text())["points"]
-    assert [[r["tokens"] for r in p["runs"]] for p in points] == [[1024], [2048]]  # not 1024 + 1024 continued
+def test_bench_gpu_curve_only_needs_the_real_model(tmp_path):
+    """--curve-only without the real weights at --model: one line, exit 1 (the curve itself runs alone in the
+    --curve-points run below)."""
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--device", "cpu", "--offline",
                           "--curve-only", "--model", str(tmp_path / "absent")], capture_output=True, text=True,
                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
@@ -112,6 +95,11 @@ def test_bench_gpu_speed_rows_and_curve_points_run_on_cpu(tmp_path, tokenizer_di
     assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-2000:]
     out = json.loads((tmp_path / "curve.json").read_text())
     assert out["errors"] == {} and [p["tokens"] for p in out["curve"]] == [1024, 2048, 4096]
+    # --curve-only: the 50% carve and its curve, nothing else; each point one run from the carve, not continued
+    assert set(out["carve"]["smollm2-135m"]) == {"active-50"}
+    assert out["tuning"] == {} and out["decode"] == {} and out["offload"] == {} and out["speed"] == {}
+    points = json.loads((tmp_path / "w2" / "curve.json").read_text())["points"]
+    assert [[r["tokens"] for r in p["runs"]] for p in points] == [[1024], [2048], [4096], [2048]]  # the last: mix
     assert out["mix"]["tokens"] == 2048 and out["mix"]["text"]["generated"]["windows"] > 0
     fit = next(iter(out["curve_fit"].values()))
     assert fit["r_inf"] >= 1.0 and 0 < fit["b"] <= 2 and set(fit["at"]) == {str(16 << 20), str(64 << 20),
@@ -120,26 +108,28 @@ def test_bench_gpu_speed_rows_and_curve_points_run_on_cpu(tmp_path, tokenizer_di
 
 def test_bench_gpu_decode_times_every_backend_and_stops_at_its_budget(tmp_path):
     """scripts/bench_gpu_decode.py on the CPU at a tiny size: dense under both caches and
-    each preset's carve under each experts backend, at batch 1 and 2, every row a speed; a spent budget skips the
-    rest and still writes the JSON."""
+    each preset's carve under each experts backend, at batch 2 (batch 1 in the shorter call below), every row a
+    speed, at a depth of its own (--layers); a spent budget skips the rest and still writes the JSON."""
     out = tmp_path / "decode.json"
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu_decode.py"), "--device", "cpu", "--quick",
-                          "--shapes", "llama3.2-1b", "--batches", "1,2", "--work", str(tmp_path / "work"),
+                          "--shapes", "llama3.2-1b", "--layers", "1", "--batches", "2", "--work",
+                          str(tmp_path / "work"),
                           "--json", str(out)], capture_output=True, text=True,
                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-2000:]
     got = json.loads(out.read_text())
     assert got["errors"] == {} and got["skipped"] == []
-    want = {f"llama3.2-1b | dense | {c} | batch {b}" for c in ("dynamic", "static+compile") for b in (1, 2)} | {
-        f"llama3.2-1b | {p} | {c} | batch {b}" for p in ("active-50", "active-25")
-        for c in ("eager", "grouped_mm", "batched_mm", "batched_mm static+compile") for b in (1, 2)}
+    want = {f"llama3.2-1b-1l | dense | {c} | batch 2" for c in ("dynamic", "static+compile")} | {
+        f"llama3.2-1b-1l | {p} | {c} | batch 2" for p in ("active-50", "active-25")
+        for c in ("eager", "grouped_mm", "batched_mm", "batched_mm static+compile")}
     assert set(got["rows"]) == want and all(v > 0 for v in got["rows"].values())
+    assert json.loads((tmp_path / "work" / "llama3.2-1b-1l" / "config.json").read_text())["num_hidden_layers"] == 1
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu_decode.py"), "--device", "cpu", "--quick",
                           "--shapes", "llama3.2-1b,tiny", "--budget-s", "0", "--work", str(tmp_path / "work"),
                           "--json", str(out)], capture_output=True, text=True,
                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert res.returncode == 0 and json.loads(out.read_text())["skipped"] == ["llama3.2-1b", "tiny"]
-    # a shorter call: some backends (the dense model under the caches they use), another depth
+    # a shorter call on the same models: some backends (the dense model under the caches they use)
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu_decode.py"), "--device", "cpu", "--quick",
                           "--shapes", "llama3.2-1b", "--backends", "batched_mm static+compile", "--layers", "1",
                           "--batches", "1", "--work", str(tmp_path / "work"), "--json", str(out)],
@@ -148,7 +138,6 @@ def test_bench_gpu_decode_times_every_backend_and_stops_at_its_budget(tmp_path):
     assert set(json.loads(out.read_text())["rows"]) == {
         "llama3.2-1b-1l | dense | static+compile | batch 1", "llama3.2-1b-1l | active-50 | batched_mm static+compile "
         "| batch 1", "llama3.2-1b-1l | active-25 | batched_mm static+compile | batch 1"}
-    assert json.loads((tmp_path / "work" / "llama3.2-1b-1l" / "config.json").read_text())["num_hidden_layers"] == 1
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu_decode.py"), "--device", "cpu", "--quick",
                           "--backends", "grouped,eager", "--json", str(out)], capture_output=True, text=True)
     assert res.returncode == 2 and "--backends: unknown grouped" in res.stderr
@@ -166,7 +155,8 @@ def test_profile_decode_step_counts_each_part_of_a_dense_model_and_its_carve(tmp
     out = tmp_path / "profile.json"
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_decode_step.py"), str(dense), str(carve),
                           "--device", "cpu", "--dtype", "float32", "--prompt", "8", "--warmup", "1", "--json",
-                          str(out)], capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+                          str(out)], capture_output=True, text=True,
+                         env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(out.read_text())
     d, m = got["rows"]["dense"]["operators"], got["rows"]["carve"]["operators"]

@@ -146,12 +146,16 @@ def test_plan_reads_config_json_alone_and_a_revision_resolves(hub, dense, tmp_pa
 
 def test_a_model_not_in_the_cache_offline_or_unreachable_gets_one_line(hub, tmp_path, monkeypatch):
     import huggingface_hub.constants as constants
+    import huggingface_hub.utils._http as http
 
     line = one_error_line(cli("convert", "org/absent", tmp_path / "o", "-n", "4", "--weight-only"))
     assert line.startswith(f"error: SRC org/absent is not in the Hub cache ({hub}) and HF_HUB_OFFLINE is set — "
                            "fetch it once with network access")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # online, but every socket is refused
+    waits = []  # huggingface_hub's own backoff between its retries (1 + 2 + 4 + 8 + 8 s), counted instead of slept
+    monkeypatch.setattr(http.time, "sleep", waits.append)
     line = one_error_line(cli("plan", "org/absent"))
+    assert sum(waits) > 0  # the Hub was retried before the line
     assert "org/absent is not in the Hub cache" in line and "the Hub cannot be reached" in line
     assert not (tmp_path / "o").exists()
 
