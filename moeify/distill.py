@@ -19,9 +19,9 @@ Why these choices (BENCHMARKS.md, "Quality against tuning tokens", has the measu
   scale, starting at the carve's unit-gate scale, so step 0 is exactly the carved model). The gate weights are the
   format's own softmax weights, so whatever is learned is what Mixtral / Qwen2-MoE compute; the top-k choice has no
   gradient, as in any trained MoE, but the weights of the chosen experts do, and the router rows move the choice.
-- Memory bounded at any vocabulary (moeify.kl): the KL is computed over chunks of tokens, each chunk's gradient
-  with respect to the student's hidden states in closed form in the forward pass (softmax(student) - softmax(teacher), times the
-  head), so no (tokens, vocabulary) tensor is kept for backward and a step costs three head products per chunk.
+- Memory bounded at any vocabulary (moeify.kl): the KL is computed over chunks of tokens, each chunk's gradient with
+  respect to the student's hidden states in closed form in the forward pass (softmax(student) - softmax(teacher), times
+  the head), so no (tokens, vocabulary) tensor is kept for backward and a step costs three head products per chunk.
   The model is held about once: the student uses the teacher's own frozen modules (share_frozen), the teacher's
   FFNs are stored in bf16 when autocast would cast them anyway, a step's windows go through forward + backward one
   at a time (gradients accumulate), and the best checked weights wait on disk, not in memory.
@@ -69,9 +69,9 @@ class DistillSettings:
     moe_kernel: str = "auto"  # masked | grouped | auto (grouped on a GPU, masked on a CPU: moeify.moe_block;
     # MOEIFY_MOE_KERNEL overrides auto)
     compile_model: bool | None = None  # the training step's teacher and student forwards through torch.compile;
-    # None: on a GPU only (H200, SmolLM2's shape, 50% preset: 93,000 against 65,500 tokens/s uncompiled; CPUs not
-    # measured: BENCHMARKS.md "GPU"); MOEIFY_COMPILE_MODEL=1 / 0 overrides, MOEIFY_COMPILE=0 turns it off;
-    # MOEIFY_COMPILE_BACKEND picks the backend, inductor by default
+    # None: on one GPU, unsharded (H200, SmolLM2's shape, 50% preset: 93,000 against 65,500 tokens/s uncompiled;
+    # CPUs, FSDP2 and offload not measured: BENCHMARKS.md "GPU"); MOEIFY_COMPILE_MODEL=1 / 0 overrides,
+    # MOEIFY_COMPILE=0 turns it off; MOEIFY_COMPILE_BACKEND picks the backend, inductor by default
     warmup_steps: int = 5
     schedule_from: float = 0.0  # where in its cosine the run starts (0: the peak); a continued run's schedule is the
     # rest of one cosine over its earlier tokens and these (moeify.tuning.TuneOptions.schedule_from)
@@ -130,21 +130,25 @@ def eager_forwards(teacher, student) -> tuple[Callable, Callable]:
     return (lambda ids: final_hidden(teacher, ids)), (lambda ids: final_hidden(student, ids))
 
 
-def wants_compile(settings: DistillSettings, device: torch.device) -> bool:
-    """Whether the training step's forwards go through torch.compile: settings.compile_model, None meaning on a GPU
-    only; MOEIFY_COMPILE_MODEL=1 / 0 overrides; MOEIFY_COMPILE=0 turns every compilation off."""
-    default = settings.compile_model if settings.compile_model is not None else torch.device(device).type == "cuda"
+def wants_compile(settings: DistillSettings, device: torch.device, sharded: bool = False) -> bool:
+    """Whether the training step's forwards go through torch.compile: settings.compile_model, None meaning on one
+    GPU, the student not sharded by FSDP2 (the setting measured faster; across GPUs and with --offload not measured);
+    MOEIFY_COMPILE_MODEL=1 / 0 overrides; MOEIFY_COMPILE=0 turns every compilation off."""
+    default = settings.compile_model
+    if default is None:
+        default = torch.device(device).type == "cuda" and not sharded
     want = os.environ.get("MOEIFY_COMPILE_MODEL", "1" if default else "0") == "1"
     return want and os.environ.get("MOEIFY_COMPILE", "1") != "0"
 
 
-def compiled_forwards(teacher, student, settings: DistillSettings) -> tuple[Callable, Callable, bool]:
+def compiled_forwards(teacher, student, settings: DistillSettings, sharded: bool = False
+                      ) -> tuple[Callable, Callable, bool]:
     """(teacher's final hidden states, student's, compiled or not) for the training step: final_hidden itself, or
     each model's decoder stack through torch.compile (static shapes: a step's micro-batches are one size) where
-    settings.compile_model asks (None: where the student is on a GPU), MOEIFY_COMPILE_MODEL=1 / 0 overriding it, and
-    MOEIFY_COMPILE is not 0. The compiled modules share the models' parameters; the held-out checks stay eager (other
-    batch sizes would recompile)."""
-    if not wants_compile(settings, next(student.parameters()).device):
+    settings.compile_model asks (None: on one GPU, unsharded: wants_compile), MOEIFY_COMPILE_MODEL=1 / 0 overriding it,
+    and MOEIFY_COMPILE is not 0. The compiled modules share the models' parameters; the held-out checks stay eager
+    (other batch sizes would recompile)."""
+    if not wants_compile(settings, next(student.parameters()).device, sharded):
         return (*eager_forwards(teacher, student), False)
     backend = os.environ.get("MOEIFY_COMPILE_BACKEND", "inductor")
     ct, cs = (torch.compile(m.model, dynamic=False, backend=backend) for m in (teacher, student))
@@ -328,7 +332,7 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
 
     ctx, bf16 = tuning_autocast(str(device), settings.autocast)
     head = student.lm_head.weight
-    fwd_t, fwd_s, compiled = compiled_forwards(teacher, student, settings)
+    fwd_t, fwd_s, compiled = compiled_forwards(teacher, student, settings, sharded=bool(par and par.sharded))
     if held_targets is not None and len(held_targets) == len(held_out):
         hold_t = [held_targets[s:s + per_step].to(device, torch.float32) for s in range(0, len(held_out), per_step)]
     else:

@@ -237,9 +237,9 @@ def test_the_compiled_step_trains_what_the_eager_one_trains(monkeypatch, kernel,
 
 
 def test_the_step_compiles_on_a_gpu_by_default_and_the_environment_overrides(monkeypatch):
-    """compile_model None: compiled where the student is on a GPU (measured faster there: BENCHMARKS.md "GPU"),
-    eager on a CPU; MOEIFY_COMPILE_MODEL=0 / 1 overrides either way, MOEIFY_COMPILE=0 turns it off, and a setting
-    given explicitly is kept."""
+    """compile_model None: compiled where the student is on one GPU, unsharded (measured faster there: BENCHMARKS.md
+    "GPU"), eager on a CPU or under FSDP2; MOEIFY_COMPILE_MODEL=0 / 1 overrides either way, MOEIFY_COMPILE=0 turns it
+    off, and a setting given explicitly is kept."""
     from moeify.distill import DistillSettings, wants_compile
 
     for name in ("MOEIFY_COMPILE_MODEL", "MOEIFY_COMPILE"):
@@ -247,6 +247,7 @@ def test_the_step_compiles_on_a_gpu_by_default_and_the_environment_overrides(mon
     auto = DistillSettings(tokens=1024)
     assert auto.compile_model is None
     assert wants_compile(auto, torch.device("cuda", 0)) is True
+    assert wants_compile(auto, torch.device("cuda", 0), sharded=True) is False  # FSDP2 or offload: not measured
     assert wants_compile(auto, torch.device("cpu")) is False
     assert wants_compile(DistillSettings(tokens=1024, compile_model=True), torch.device("cpu")) is True
     assert wants_compile(DistillSettings(tokens=1024, compile_model=False), torch.device("cuda")) is False
