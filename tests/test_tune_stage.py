@@ -330,8 +330,9 @@ def test_tune_command_line(carved, tmp_path):
     assert est["estimated_seconds"] == pytest.approx(est["tuning_seconds"] + est["sampling_seconds"]
                                                      + est["teacher_pass_seconds"])
     one, ten = est["seconds_for_tokens"]["1048576"], est["seconds_for_tokens"]["10485760"]  # larger budgets priced
-    assert est["estimated_seconds"] < one < ten and 9.5 < ten / one < 10.1  # steps and sampling scale; the teacher
-    # pass saturates once every real window is drawn
+    # steps and sampling scale with the tokens; the teacher pass saturates once every real window is drawn, so
+    # ten / one = 10 - 9 T / one (T: the teacher pass's timed share, 5-6% of `one` on 2 cores, more under load)
+    assert est["estimated_seconds"] < one < ten and 9.0 < ten / one <= 10.0
     assert not state_dir(out).exists() and est["offload"] is False
     _assert_identical(out, carve)  # --dry-run writes nothing
     # the dry run measures the run as it would be: offloaded with --offload (FSDP2 CPU offload; a CPU changes only the
