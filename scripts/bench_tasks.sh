@@ -7,7 +7,7 @@
 #     bash scripts/bench_tasks.sh [STEP...]
 # steps (each ~2 cores alone, 2026-11 timings):
 #   smollm2-262k   SmolLM2-135M, both presets tuned on 262,144 tokens    (~50 min a tune + ~45 min of tasks)
-#   qwen05-free    Qwen2.5-Coder-0.5B, both presets training-free          (~10 min of carving + ~2.5 h of tasks)
+#   qwen05-free    Qwen2.5-Coder-0.5B, both presets training-free          (~22 min of carving + ~35 min of tasks)
 # Run it alone (nice is fine): tuning and scoring share nothing with other jobs but the cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
