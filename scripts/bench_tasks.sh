@@ -8,6 +8,7 @@
 # steps (each ~2 cores alone, 2026-11 timings):
 #   smollm2-262k   SmolLM2-135M, both presets tuned on 262,144 tokens    (~50 min a tune + ~45 min of tasks)
 #   qwen05-free    Qwen2.5-Coder-0.5B, both presets training-free          (~22 min of carving + ~35 min of tasks)
+#   qwen05-262k    Qwen2.5-Coder-0.5B, both presets tuned on 262,144 tokens (hours a tune + ~25 min of tasks)
 # Run it alone (nice is fine): tuning and scoring share nothing with other jobs but the cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,6 +36,13 @@ for step in ${*:-smollm2-262k}; do
       for p in 50 25; do carve models/qwen2.5-coder-0.5b out/qwen05-a$p $p; done
       .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/qwen05-a50 out/qwen05-a25 $TASKS \
         --out results/quality/tasks-qwen05-trainingfree-limit100.json ;;
-    *) echo "bench_tasks.sh: unknown step $step (smollm2-262k, qwen05-free)" >&2; exit 2 ;;
+    qwen05-262k)
+      for p in 50 25; do
+        carve models/qwen2.5-coder-0.5b out/qwen05-a$p $p
+        tuned models/qwen2.5-coder-0.5b out/qwen05-a$p out/tasks-q$p-262k 262144
+      done
+      .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/tasks-q50-262k out/tasks-q25-262k $TASKS \
+        --out results/quality/tasks-qwen05-262k-limit100.json ;;
+    *) echo "bench_tasks.sh: unknown step $step (smollm2-262k, qwen05-free, qwen05-262k)" >&2; exit 2 ;;
   esac
 done
