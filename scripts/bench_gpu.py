@@ -28,7 +28,9 @@ and backward 6N of the active weights), beside a dense bf16 training step of the
 step (compiled, fused AdamW, SDPA; its MFU by 6N) and the ratio of their times a token. Each row is its own
 budgeted step, most wanted first: SmolLM2's 50% preset and the dense step, the sampling rate, the 25% preset, the
 8B widths with their dense step; then the 50% preset eager and with the masked kernel (MOEIFY_MOE_KERNEL,
-MOEIFY_COMPILE_MODEL). Each dry run costs about 70 s on an H200 (start, loading, a batch of sampling, compiling).
+MOEIFY_COMPILE_MODEL); after the sampling rate, one step of the first row under torch's profiler
+(scripts/profile_tune_step.py: its kernels' time by kind, and how long the GPU sat idle). Each dry run costs about
+70 s on an H200 (start, loading, a batch of sampling, compiling).
 
 The device run of that issue, prepared: `--speed-only --offline` (no model to carry: SmolLM2's shape with synthetic
 weights, the speed does not depend on them), then, with the real model carried (scripts/device_carry.py),
@@ -423,6 +425,19 @@ def main() -> None:
             shapes[name], args.device, batch, sseq, keep)
         return f"{r['tokens_per_second']:,.0f} tok/s"
 
+    def speed_profile(name: str) -> str:  # where the default row's step spends its time (kernels by kind)
+        first = next(iter(results["speed"][name]["tuning"].values()))
+        path = args.work / f"profile-{name}.json"
+        script(budget, "profile_tune_step.py", str(shapes[name]), str(carves[(name, "active-50")]), "--tokens",
+               str(args.speed_tokens), *dev, "--kernel", first["moe_kernel"], "--compiled",
+               "1" if first["compiled"] else "0", "--json", str(path))
+        got = results["speed"][name]["profile"] = json.loads(path.read_text())
+        kinds = got["step"]["kinds"]
+        return (f"{got['step']['wall_ms']:,.0f} ms a step" + (f", GPU idle {got['step']['idle_share']:.0%}"
+                                                               if got["step"]["idle_share"] is not None else "")
+                + "; " + ", ".join(f"{k} {v['share']:.0%}" for k, v in sorted(kinds.items(), key=lambda kv:
+                                                                               -kv[1]["share"])[:4]))
+
     def carved(name: str, *presets: str) -> None:
         for preset in presets:
             if name in shapes:
@@ -468,6 +483,7 @@ def main() -> None:
         if results["speed"].get(smol, {}).get("tuning"):
             step(f"dense step {smol}", speed_dense, smol, need=40)
             step(f"sampling {smol} inline", speed_sampling, smol, False, need=30)
+            step(f"profile {smol} active-50 step", speed_profile, smol, need=60)
         if not args.quick:
             carved(smol, "active-25")
             speeds(smol, "active-25", KERNEL_VARIANTS[0])

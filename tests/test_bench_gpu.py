@@ -89,6 +89,13 @@ def test_bench_gpu_speed_rows_and_curve_points_run_on_cpu(tmp_path, tokenizer_di
     assert speed["dense"]["tokens_per_second"] > 0 and speed["dense"]["step_tokens"] == 1024
     assert {k: v["tokens_per_second"] > 0 for k, v in speed["sampling"].items()} == {"inline": True,
                                                                                      "kept hidden": True}
+    # the default row's step under the profiler (on a CPU: operators' own time by kind; no GPU idle time)
+    prof = speed["profile"]
+    assert prof["moe_kernel"] == "grouped" and prof["compiled"] and prof["step_tokens"] == 1024
+    step = prof["step"]
+    assert step["unit"] == "operators" and step["idle_share"] is None and step["wall_ms"] > 0
+    assert step["kinds"]["matmul"]["ms"] > 0 and step["kinds"]["attention"]["count"] > 0
+    assert abs(sum(v["share"] for v in step["kinds"].values()) - 1) < 1e-3
     res = subprocess.run(common + ["--work", str(tmp_path / "w2"), "--curve-only", "--curve-points",
                                    "1024,2048,4096", "--mix-check", "2048", "--json", str(tmp_path / "curve.json")],
                          capture_output=True, text=True, env=env)
@@ -104,6 +111,21 @@ def test_bench_gpu_speed_rows_and_curve_points_run_on_cpu(tmp_path, tokenizer_di
     fit = next(iter(out["curve_fit"].values()))
     assert fit["r_inf"] >= 1.0 and 0 < fit["b"] <= 2 and set(fit["at"]) == {str(16 << 20), str(64 << 20),
                                                                               str(256 << 20)}
+
+
+def test_profile_kinds_and_the_time_some_kernel_ran():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from profile_tune_step import busy_us, kind_of
+
+    assert busy_us([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17  # overlaps counted once, gaps not at all
+    assert busy_us([]) == 0
+    assert [kind_of(n) for n in ("sm90_xmma_gemm_bf16bf16_bf16f32", "nvjet_tst_128x64_64x4", "aten::addmm",
+                                 "pytorch_flash::flash_fwd_kernel", "aten::_scaled_dot_product_flash_attention",
+                                 "triton_poi_fused_mul_silu_0", "triton_red_fused__log_softmax_3",
+                                 "void at::native::index_elementwise_kernel", "Memcpy HtoD (Pageable -> Device)",
+                                 "multi_tensor_apply_kernel", "aten::topk", "ncclDevKernel_AllReduce_Sum_f32")] == [
+        "matmul", "matmul", "matmul", "attention", "attention", "elementwise", "reduction", "routing", "copy",
+        "optimizer", "routing", "communication"]
 
 
 def test_bench_gpu_decode_times_every_backend_and_stops_at_its_budget(tmp_path):
