@@ -160,7 +160,8 @@ def train(out: str | Path, tokens: int | None = None, *, text: Sequence[str | Pa
 
 def evaluate(models: Sequence[str | Path], data: str | Path | None = None, *, tasks: str | Sequence[str] | None = None,
              task_dir: str | Path | None = None, task_data: str | Path | None = None, limit: int | None = None,
-             task_batch_size: int = 16, progress: Progress | None = None, **settings):
+             task_batch_size: int = 16, task_cache: str | Path | None = None, progress: Progress | None = None,
+             **settings):
     """Perplexity of every model (folders or Hub ids; the first is the reference) on the same tokens and windows,
     with parameters, tokens/s and routing statistics (moeify.evaluation.EvalResult). settings: seq_len, stride,
     max_tokens, batch_size, device, dtype, oracle, kl, generation (moeify.evaluation.EvalSettings).
@@ -170,7 +171,9 @@ def evaluate(models: Sequence[str | Path], data: str | Path | None = None, *, ta
     ± paired SE), and generation health (each model's .generation) unless generation=False. A task is looked up in
     task_dir (lm-eval task YAMLs), then among the six bundled definitions over the files in task_data (or
     $MOEIFY_TASK_DATA), then in lm-eval's registry (data from the Hub). limit: the first N items of each task;
-    task_batch_size: log-likelihood requests per forward.
+    task_batch_size: log-likelihood requests per forward. task_cache: a folder where each model's answers are kept as
+    they are computed (moeify.tasks.AnswerCache): an interrupted run resumes there, a model scored before is not
+    scored again.
     Each moeify output among the others records its numbers beside the first model's in its card (OUT/README.md,
     OUT/evaluation.json)."""
     from dataclasses import asdict
@@ -190,10 +193,10 @@ def evaluate(models: Sequence[str | Path], data: str | Path | None = None, *, ta
 
         def visit(model, path: Path, label: str) -> None:
             tick = (lambda done, total: progress(f"tasks {label}", done, total)) if progress else None
-            scored.append(score_tasks(model, load_tokenizer(path), loaded, path, task_batch_size, tick))
-    elif task_dir is not None or task_data is not None or limit is not None:
-        raise MoeifyError("--task-dir, --task-data and --limit go with --tasks", "name the tasks, e.g. "
-                          "--tasks arc_easy,piqa")
+            scored.append(score_tasks(model, load_tokenizer(path), loaded, path, task_batch_size, tick, task_cache))
+    elif task_dir is not None or task_data is not None or limit is not None or task_cache is not None:
+        raise MoeifyError("--task-dir, --task-data, --limit and --task-cache go with --tasks", "name the tasks, "
+                          "e.g. --tasks arc_easy,piqa")
     result = run([resolve(m, what="model") for m in models], data, EvalSettings(**settings), progress=progress,
                  visit=visit)
     if loaded is not None:

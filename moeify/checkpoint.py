@@ -34,6 +34,30 @@ TORCH_TO_ST = {v: k for k, v in ST_DTYPES.items()}
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
+def hash_files(h, root: Path, names) -> None:
+    """Each named file's name and bytes (a missing one: its name alone) into the hash `h`."""
+    for name in names:
+        f = root / name
+        h.update(name.encode())
+        if f.is_file():
+            h.update(f.read_bytes())
+
+
+def weights_fingerprint(h, root: Path, samples: int = 16, chunk: int = 1 << 16) -> None:
+    """Names, sizes and safetensors headers of every weight file, and `samples` chunks of its data spread evenly
+    over it (cheap at any model size, and two models of one architecture differ in every chunk), into the hash `h`:
+    what tells a model's weights apart (a tuning run's source and base, a model's cached task answers)."""
+    for f in sorted(root.glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f.name.encode() + str(size).encode())
+        with open(f, "rb") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            h.update(fh.read(min(n, 1 << 26)))
+            for k in range(samples):
+                fh.seek(8 + n + (size - 8 - n) * k // samples)
+                h.update(fh.read(chunk))
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     name: str

@@ -87,6 +87,10 @@ def eval_cmd(
                                              "(arc_easy/test.jsonl, ...), offline [default: $MOEIFY_TASK_DATA, "
                                              "else lm-eval's registry and the Hub]."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Only the first N items of each task [default: all]."),
+    task_cache: Optional[Path] = typer.Option(None, "--task-cache", help="Keep each model's task answers in this "
+                                              "folder as they are computed (a file per model, named by its weights, "
+                                              "dtype and batch size): an interrupted --tasks run resumes there, and "
+                                              "a model scored before is not scored again."),
 ) -> None:
     """Perplexity of every model on the same tokens and windows, parameters, tokens/s, and MoE routing statistics;
     with --tasks, zero-shot task accuracy (lm-evaluation-harness) and repeated n-grams in greedy continuations.
@@ -99,7 +103,7 @@ def eval_cmd(
         settings = EvalSettings(seq_len=seq_len, stride=stride, max_tokens=max_tokens, batch_size=batch_size,
                                 device=device, dtype=dtype, oracle=oracle, kl=kl)
         _run_eval(models, data, settings, json_dest, plot, tasks=tasks, task_dir=task_dir, task_data=task_data,
-                  limit=limit)
+                  limit=limit, task_cache=task_cache)
     except MoeifyError as exc:
         _fail(exc)
 

@@ -5,7 +5,9 @@
                   ──► loaded once, before any model (a missing name, a bad file, absent data: one clear line)
                   ──► each model in turn: lm-eval's HFLM over the already-loaded model, lm_eval.evaluator.evaluate
                       with log_samples: every item's metric values (acc, acc_norm; LAMBADA's per-item
-                      log-likelihood for its perplexity), as the harness computed them
+                      log-likelihood for its perplexity), as the harness computed them; with a cache folder, each
+                      answer kept as it is computed (AnswerCache), so an interrupted run resumes and a model
+                      scored before is not scored again
                   ──► compare_tasks: every model on the same items; value ± SE, and the difference to the first
                       model ± its paired SE (moeify.evaluation.paired_difference)
 
@@ -15,6 +17,8 @@ Nothing else in moeify imports lm_eval; without it installed `--tasks` says what
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import math
 import os
@@ -53,6 +57,59 @@ class ModelTasks:
     path: str
     items: dict[str, dict[str, dict[int, float]]] = field(default_factory=dict)
     seconds: float = 0.0
+    reused: int = 0  # answers read from the cache, not computed (their time is not in seconds)
+
+
+class AnswerCache:
+    """One model's log-likelihood answers, (log-likelihood, greedy) per (context, continuation), kept in a JSON Lines
+    file that grows as they are computed (floats written exactly): a run stopped part-way resumes from them, and a
+    model scored before is not scored again. The file is named by what the answers depend on (cache_key), so a
+    model rewritten in place, another dtype, device type or batch size, or another lm-eval gets a file of its own;
+    a line cut short by an interruption is skipped."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.answers: dict[str, tuple[float, bool]] = {}
+        if path.is_file():
+            for line in path.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                    self.answers[rec["k"]] = (float(rec["ll"]), bool(rec["greedy"]))
+                except (ValueError, KeyError, TypeError):
+                    continue
+
+    @staticmethod
+    def key(args) -> str:
+        return hashlib.sha256(json.dumps(list(args)).encode()).hexdigest()[:32]
+
+    def add(self, keys: list[str], answers: list) -> None:
+        """Keep these answers (appended and flushed: an interruption loses at most the batch being written)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        cut = False
+        if self.path.is_file() and self.path.stat().st_size:
+            with open(self.path, "rb") as fh:
+                fh.seek(-1, os.SEEK_END)
+                cut = fh.read(1) != b"\n"
+        with open(self.path, "a") as fh:
+            if cut:  # a line an interruption cut short: the next record starts on a line of its own
+                fh.write("\n")
+            for k, (ll, greedy) in zip(keys, answers):
+                fh.write(json.dumps({"k": k, "ll": float(ll), "greedy": bool(greedy)}) + "\n")
+                self.answers[k] = (float(ll), bool(greedy))
+
+
+def cache_key(path: str | Path, model, batch_size: int) -> str:
+    """What a model's task answers depend on: its config and weights (moeify.checkpoint.weights_fingerprint), the
+    dtype and device type it runs in, the batch size (padding changes the last bits), and lm-eval's version."""
+    import lm_eval
+
+    from .checkpoint import hash_files, weights_fingerprint
+
+    h = hashlib.sha256(b"moeify task answers 1")
+    hash_files(h, Path(path), ["config.json"])
+    weights_fingerprint(h, Path(path))
+    h.update(f"{model.dtype}|{model.device.type}|{batch_size}|{lm_eval.__version__}".encode())
+    return h.hexdigest()[:16]
 
 
 def require_lm_eval() -> None:
@@ -199,28 +256,42 @@ def _quiet():
 
 
 def score_tasks(model, tokenizer, loaded: LoadedTasks, path: str | Path, batch_size: int = 16,
-                progress: Callable[[int, int], None] | None = None) -> ModelTasks:
+                progress: Callable[[int, int], None] | None = None, cache: str | Path | None = None) -> ModelTasks:
     """Every task on the already-loaded `model`, through lm-eval's HFLM and evaluator; per-item values from the
-    harness's per-sample log (log_samples)."""
+    harness's per-sample log (log_samples). cache: a folder where the model's answers are kept as they are computed
+    (AnswerCache: a run stopped part-way resumes there; answers found there are not computed again)."""
     import time
 
     from lm_eval.evaluator import evaluate
     from lm_eval.models.huggingface import HFLM
 
-    class Counted(HFLM):  # the harness's own scoring, in slices, so that progress can be said
+    reused = [0]
+    kept = (AnswerCache(Path(cache) / f"{Path(path).name}-{cache_key(path, model, batch_size)}.jsonl")
+            if cache is not None else None)
+
+    class Counted(HFLM):  # the harness's own scoring, in slices, so that progress can be said (and answers kept)
         def loglikelihood(self, requests, disable_tqdm: bool = False):
-            out = []
-            for start in range(0, len(requests), REQUESTS_PER_TICK):
-                out += super().loglikelihood(requests[start:start + REQUESTS_PER_TICK], disable_tqdm=True)
+            keys = [AnswerCache.key(r.args) for r in requests] if kept else []
+            todo = [i for i, k in enumerate(keys) if k not in kept.answers] if kept else list(range(len(requests)))
+            reused[0] += len(requests) - len(todo)
+            out = {}
+            if progress and not todo:  # every answer kept from before
+                progress(len(requests), len(requests))
+            for start in range(0, len(todo), REQUESTS_PER_TICK):
+                part = todo[start:start + REQUESTS_PER_TICK]
+                got = super().loglikelihood([requests[i] for i in part], disable_tqdm=True)
+                if kept:
+                    kept.add([keys[i] for i in part], got)
+                out.update(zip(part, got))
                 if progress:
-                    progress(len(out), len(requests))
-            return out
+                    progress(len(requests) - len(todo) + len(out), len(requests))
+            return [out[i] if i in out else kept.answers[keys[i]] for i in range(len(requests))]
 
     t0 = time.perf_counter()
     with _quiet():
         lm = Counted(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
         out = evaluate(lm=lm, task_dict=loaded.task_dict, limit=loaded.limit, bootstrap_iters=0, log_samples=True)
-    result = ModelTasks(str(path), seconds=time.perf_counter() - t0)
+    result = ModelTasks(str(path), seconds=time.perf_counter() - t0, reused=reused[0])
     for name in loaded.names:
         per_metric: dict[str, dict[int, float]] = {}
         for sample in out["samples"][name]:
@@ -253,7 +324,7 @@ def compare_tasks(loaded: LoadedTasks, models: list[ModelTasks]) -> dict:
         tasks[name] = {"n": len(next(iter(ref.values()), {})), "of": _size(task), "origin": loaded.origin[name],
                        "num_fewshot": task.get_config("num_fewshot"), "metrics": rows}
     return {"lm_eval": loaded.lm_eval_version, "limit": loaded.limit, "tasks": tasks,
-            "seconds": [round(m.seconds, 1) for m in models]}
+            "seconds": [round(m.seconds, 1) for m in models], "reused": [m.reused for m in models]}
 
 
 def _metric_entry(metric: str, ref: list[float], values: list[float], is_ref: bool) -> dict:
@@ -283,5 +354,5 @@ def _size(task) -> int | None:
         return None
 
 
-__all__ = ["BUNDLED", "LoadedTasks", "ModelTasks", "load_tasks", "score_tasks", "compare_tasks", "require_lm_eval",
-           "task_names"]
+__all__ = ["BUNDLED", "AnswerCache", "LoadedTasks", "ModelTasks", "load_tasks", "score_tasks", "compare_tasks",
+           "require_lm_eval", "task_names"]

@@ -11,6 +11,9 @@ it measured as JSON: per task the items scored (the first --limit of each set, o
 acc (and acc_norm, LAMBADA's perplexity) ± SE, and for each MoE the difference to the dense model ± its paired SE
 and the relative drop; plus the generation health (repeated 4-grams of greedy continuations) and the perplexity on
 the bundled held-out sample. Needs `pip install -e '.[tasks]'`; models named by folder (no local paths recorded).
+Each model's answers are kept in --cache as they are computed (`moeify eval --task-cache`): a run stopped part-way
+resumes, and the dense model scored in an earlier run is not scored again (the file says how many answers each
+model reused).
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ def summary(result, names: list[str], limit: int | None, seconds: float) -> dict
         "perplexity_sample": {"tokens": result.data["tokens"], "seq_len": result.settings["seq_len"]},
         "generation": result.settings.get("generation"), "tasks": tasks, "models": models,
         "seconds": round(seconds, 1), "task_seconds": result.tasks["seconds"],
+        # answers read from --cache rather than computed (a model scored in an earlier run): not in task_seconds
+        "task_answers_reused": result.tasks.get("reused"),
         "machine": {"cpu_count": os.cpu_count(), "python": platform.python_version()},
     }
 
@@ -83,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
                     "the generation prompts (default 8192)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--task-batch-size", type=int, default=16)
+    ap.add_argument("--cache", type=Path, default=ROOT / "out" / "task-cache", help="each model's answers kept here "
+                    "as computed (moeify eval --task-cache): a stopped run resumes, a model scored before (the dense "
+                    "one of an earlier run) is not scored again (default: out/task-cache)")
+    ap.add_argument("--no-cache", action="store_true", help="score every model afresh, keeping nothing")
     ap.add_argument("--out", type=Path, required=True, help="the result file (JSON)")
     args = ap.parse_args(argv)
 
@@ -91,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     limit = args.limit or None
     t0 = time.perf_counter()
     result = moeify.evaluate(args.models, tasks=args.tasks, task_data=args.task_data, limit=limit,
-                             task_batch_size=args.task_batch_size, max_tokens=args.max_tokens, device=args.device,
+                             task_batch_size=args.task_batch_size, task_cache=None if args.no_cache else args.cache,
+                             max_tokens=args.max_tokens, device=args.device,
                              oracle=False, kl=False, progress=lambda stage, done, total: print(
                                  f"{time.strftime('%H:%M:%S')} {stage}: {done}/{total}", flush=True)
                              if done == total else None)

@@ -160,6 +160,50 @@ def test_accuracy_and_paired_se_equal_a_hand_computation_of_the_same_loglikeliho
     assert all(m.generation is None for m in result.models)  # generation=False: accuracy alone
 
 
+def test_kept_answers_resume_an_interrupted_run_and_spare_a_model_scored_before(models, task_dir, tmp_path,
+                                                                                 monkeypatch):
+    """--task-cache: each answer kept as computed; a run stopped part-way resumes from them (a line a kill cut short
+    skipped), a model scored before computes nothing, and every item's value is the uncached run's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import moeify
+    import moeify.tasks as tasks
+
+    dense, _ = models
+    loaded = tasks.load_tasks("tiny_mc,tiny_lastword", task_dir=task_dir)
+    model = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(dense)
+    plain = tasks.score_tasks(model, tok, loaded, dense, 4)
+    n = 23 + 6  # the multiple-choice items' 2-4 choices, and the last-word items: one request each
+    monkeypatch.setattr(tasks, "REQUESTS_PER_TICK", 5)
+
+    def stop(done, total):
+        if done >= 10:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        tasks.score_tasks(model, tok, loaded, dense, 4, stop, cache=tmp_path / "kept")
+    (kept,) = (tmp_path / "kept").glob("*.jsonl")
+    assert kept.name.startswith("dense-") and len(kept.read_text().splitlines()) == 10
+    with open(kept, "a") as fh:
+        fh.write('{"k": "0123", "ll": -1.')  # a kill in the middle of a line
+    ticks = []
+    resumed = tasks.score_tasks(model, tok, loaded, dense, 4, lambda d, t: ticks.append((d, t)),
+                                cache=tmp_path / "kept")
+    assert resumed.reused == 10 and ticks[0] == (15, n) and ticks[-1] == (n, n)
+    again = tasks.score_tasks(model, tok, loaded, dense, 4, cache=tmp_path / "kept")
+    assert again.reused == n and len(tasks.AnswerCache(kept).answers) == n
+    for got in (resumed, again):
+        for task, metrics in plain.items.items():
+            for metric, values in metrics.items():
+                assert got.items[task][metric] == pytest.approx(values, abs=1e-5), (task, metric)
+    assert again.items == resumed.items  # the kept floats read back exactly
+    tasks.score_tasks(model, tok, loaded, dense, 2, cache=tmp_path / "kept")  # another batch size: its own file
+    assert len(list((tmp_path / "kept").glob("dense-*.jsonl"))) == 2
+    with pytest.raises(MoeifyError, match="--task-cache go with --tasks"):
+        moeify.evaluate([dense], task_cache=tmp_path / "kept")
+
+
 def test_paired_and_unpaired_statistics():
     assert mean_and_se([1.0, 0.0, 1.0, 0.0]) == pytest.approx((0.5, math.sqrt(1 / 3 / 4)))
     assert mean_and_se([0.25]) == (0.25, 0.0)
@@ -313,8 +357,9 @@ def test_cli_tasks_table_fits_80_columns_json_and_card(models, task_dir, task_da
     dense, moe = models
     code, out = run_cli("eval", dense, moe, "--tasks", "tiny_mc,arc_easy,lambada_openai", "--task-dir", task_dir,
                         "--task-data", task_data, "--limit", 5, "--max-tokens", 300, "--seq-len", 64, "--no-oracle",
-                        "--json", tmp_path / "eval.json")
+                        "--json", tmp_path / "eval.json", "--task-cache", tmp_path / "answers")
     assert code == 0, out
+    assert sorted(f.name.split("-")[0] for f in (tmp_path / "answers").glob("*.jsonl")) == ["dense", "moe"]
     data = json.loads((tmp_path / "eval.json").read_text())
     tasks = data["tasks"]["tasks"]
     assert data["tasks"]["limit"] == 5 and tasks["tiny_mc"]["n"] == 5 and tasks["tiny_mc"]["of"] == MC_ITEMS

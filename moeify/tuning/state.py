@@ -29,7 +29,6 @@ import re
 import shutil
 import signal
 import socket
-import struct
 import threading
 import time
 from pathlib import Path
@@ -39,7 +38,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ..checkpoint import INDEX_NAME, TensorInfo
+from ..checkpoint import INDEX_NAME, TensorInfo, hash_files, weights_fingerprint
 from ..writer import ShardLayout, ShardWriter
 from ..errors import MoeifyError
 from .options import TuneOptions, TuningInterrupted
@@ -54,39 +53,17 @@ def state_dir(out: Path) -> Path:
     return out.with_name(out.name + TUNE_SUFFIX)
 
 
-def _hash_files(h, root: Path, names) -> None:
-    for name in names:
-        f = root / name
-        h.update(name.encode())
-        if f.is_file():
-            h.update(f.read_bytes())
-
-
-def _weights_fingerprint(h, root: Path, samples: int = 16, chunk: int = 1 << 16) -> None:
-    """Names, sizes and safetensors headers of every weight file, and `samples` chunks of its data spread evenly
-    over it (cheap at any model size, and two models of one architecture differ in every chunk)."""
-    for f in sorted(root.glob("*.safetensors")):
-        size = f.stat().st_size
-        h.update(f.name.encode() + str(size).encode())
-        with open(f, "rb") as fh:
-            n = struct.unpack("<Q", fh.read(8))[0]
-            h.update(fh.read(min(n, 1 << 26)))
-            for k in range(samples):
-                fh.seek(8 + n + (size - 8 - n) * k // samples)
-                h.update(fh.read(chunk))
-
-
 def source_fingerprint(src: Path) -> str:
     h = hashlib.sha256()
-    _hash_files(h, Path(src), ["config.json"])
-    _weights_fingerprint(h, Path(src))
+    hash_files(h, Path(src), ["config.json"])
+    weights_fingerprint(h, Path(src))
     return h.hexdigest()[:32]
 
 
 def base_fingerprint(base: Path) -> str:
     h = hashlib.sha256()
-    _hash_files(h, Path(base), ["config.json", "report.json", "moeify.toml", INDEX_NAME])
-    _weights_fingerprint(h, Path(base))
+    hash_files(h, Path(base), ["config.json", "report.json", "moeify.toml", INDEX_NAME])
+    weights_fingerprint(h, Path(base))
     return h.hexdigest()[:32]
 
 
