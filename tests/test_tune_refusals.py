@@ -17,7 +17,7 @@ from moeify.conversion import plan_conversion, run_conversion
 from moeify.tuning import TuningInterrupted, state_dir, tune_output
 from test_calibrate import CALIB
 from test_reliability import assert_refused, cli
-from test_tune_stage import CARVE, OPTS, _interrupt_at
+from tuning_fixtures import CARVE, OPTS, interrupt_at
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def models(tmp_path_factory, tokenizer_dir):
     run_conversion(plan_conversion(dense, build_config(**CARVE)), root / "carve")
     interrupted = Path(shutil.copytree(root / "carve", root / "interrupted"))
     with pytest.raises(TuningInterrupted):
-        tune_output(dense, interrupted, OPTS, progress=_interrupt_at(2 * 1024), save_every=0)
+        tune_output(dense, interrupted, OPTS, progress=interrupt_at(2 * 1024), save_every=0)
     return {"dense": dense, "carve": root / "carve", "interrupted": interrupted, "tokenizer": tokenizer_dir}
 
 

@@ -14,7 +14,8 @@ from safetensors import safe_open
 from moeify.errors import MoeifyError
 from moeify.tuning import TuneOptions, TuningInterrupted, read_output, state_dir, tune_output
 from moeify.tuning.sizing import MAX_STEP, REFERENCE_STEP, step_size
-from test_tune_stage import _assert_identical, _copy, _interrupt_at, carved  # noqa: F401 (carved: a fixture)
+from tuning_fixtures import assert_identical, copy_output, interrupt_at
+from tuning_fixtures import carved  # noqa: F401 (a fixture)
 
 SEQ = 64  # the carve's windows
 
@@ -126,13 +127,13 @@ def test_a_run_with_large_steps_and_the_teacher_in_the_loop_resumes_bit_identica
 
     monkeypatch.setattr(run_mod, "step_size", lambda *a, **k: (2048, 4))
     dense, carve = carved
-    a, b = _copy(carve, tmp_path / "a"), _copy(carve, tmp_path / "b")
+    a, b = copy_output(carve, tmp_path / "a"), copy_output(carve, tmp_path / "b")
     opts = TuneOptions(tokens=6 * 2048, generated=0.25, lr=0.02)
     whole = tune_output(dense, a, opts, precompute_targets=False)["tuning"]["runs"][0]
     assert (whole["batch_tokens"], whole["micro_windows"], whole["teacher"], whole["steps"]) == (2048, 4, "inline", 6)
     assert whole["lr_scale"] == pytest.approx(2 ** 0.5, abs=1e-4)
     with pytest.raises(TuningInterrupted) as stop:
-        tune_output(dense, b, opts, progress=_interrupt_at(3 * 2048), precompute_targets=False)
+        tune_output(dense, b, opts, progress=interrupt_at(3 * 2048), precompute_targets=False)
     assert stop.value.step == 3
     root = state_dir(b)
     run = json.loads((root / "run.json").read_text())
@@ -145,7 +146,7 @@ def test_a_run_with_large_steps_and_the_teacher_in_the_loop_resumes_bit_identica
     with pytest.raises(MoeifyError, match="step_tokens = 2048"):
         tune_output(dense, b, None, resume=True, given={"step_tokens": 1024})
     resumed = tune_output(dense, b, None, resume=True)["tuning"]["runs"][0]
-    _assert_identical(a, b)
+    assert_identical(a, b)
     assert resumed["holdout_curve"] == whole["holdout_curve"] and resumed["train_kl_end"] == whole["train_kl_end"]
 
 
