@@ -13,7 +13,12 @@ resolve to at that shape), and each model decodes greedily --new tokens after --
 - `grouped_mm`: transformers' default; on a GPU `generate()` switches decoding to `batched_mm` by itself;
 - `batched_mm`: asked for explicitly, dynamic cache;
 - `batched_mm static+compile`: a static cache, which makes `generate()` compile the forward (torch.compile,
-  mode reduce-overhead: CUDA graphs) -- the one backend that takes CUDA graphs.
+  mode reduce-overhead: CUDA graphs);
+- `gather static+compile`: this program's experts backend (gather_experts_forward, registered with transformers'
+  ExpertsInterface as "gather"), compiled alike: each token's chosen experts read from the stacked weights inside
+  the products, which torch.compile fuses into one reduction kernel a projection (a GEMV over the chosen experts'
+  rows), where batched_mm first copies the chosen experts' weights (reading them twice and writing them once) and
+  then multiplies; for decoding a few sequences at a time (each token reads its own experts).
 
 The dense model runs with a dynamic cache and with a static cache + compile. Tokens/s = new tokens / (time of
 generate(prompt + new + 1) - time of generate(prompt + 1)), median of --rounds, after one warm-up (which is also
@@ -36,7 +41,35 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-BACKENDS = ("eager", "grouped_mm", "batched_mm", "batched_mm static+compile")
+BACKENDS = ("eager", "grouped_mm", "batched_mm", "batched_mm static+compile", "gather static+compile")
+
+
+def gather_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts forward (hidden (T, H), chosen experts (T, k), their weights (T, k)) -> (T, H), with
+    each chosen expert's weights indexed inside an elementwise product and a sum (accumulated in float32), so that
+    torch.compile makes the gather part of the reduction's loads: no copy of the chosen weights, as batched_mm
+    makes. Eager, it computes the same (slowly: the gathered weights are materialised)."""
+    t, k = top_k_index.shape
+    x = hidden_states.float()
+    up = self.gate_up_proj if self.has_gate else self.up_proj
+    w = up[top_k_index].float()  # (T, k, 2I, H), or (T, k, H, 2I) transposed
+    h = (w * x[:, None, :, None]).sum(-2) if self.is_transposed else (w * x[:, None, None, :]).sum(-1)
+    if self.has_bias:
+        h = h + (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias)[top_k_index].float()
+    h = h.reshape(t * k, -1).to(hidden_states.dtype)
+    h = (self._apply_gate(h) if self.has_gate else self.act_fn(h)).reshape(t, k, -1).float()
+    d = self.down_proj[top_k_index].float()  # (T, k, H, I), or (T, k, I, H) transposed
+    out = (d * h[:, :, None, :]).sum(-1) if not self.is_transposed else (d * h[:, :, :, None]).sum(-2)
+    if self.has_bias:
+        out = out + self.down_proj_bias[top_k_index].float()
+    return (out * top_k_weights.float()[:, :, None]).sum(1).to(hidden_states.dtype)
+
+
+def register_gather() -> None:
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register("gather", gather_experts_forward)
 DENSE = ("dynamic", "static+compile")
 
 
@@ -65,7 +98,9 @@ def speed(path: Path, config: str, device: str, dtype: torch.dtype, batch: int, 
     from transformers import AutoModelForCausalLM
 
     impl = config.split()[0]
-    kw = {"experts_implementation": impl} if impl in ("eager", "grouped_mm", "batched_mm") else {}
+    if impl == "gather":
+        register_gather()
+    kw = {"experts_implementation": impl} if impl in ("eager", "grouped_mm", "batched_mm", "gather") else {}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw).to(device).eval()
     ids = torch.randint(0, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(0))
     ids = ids.to(device)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -137,13 +138,19 @@ def profile(path: Path, experts: str, device: str, dtype: torch.dtype, prompt: i
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("models", type=Path, nargs="+", help="the dense model first, then its carves")
-    ap.add_argument("--experts", default="batched_mm", help="transformers' experts implementation")
+    ap.add_argument("--experts", default="batched_mm", help="transformers' experts implementation (or gather: "
+                    "scripts/bench_gpu_decode.py's)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.experts == "gather":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_gpu_decode import register_gather
+
+        register_gather()
     dtype = getattr(torch, args.dtype)
     rows = {}
     for path in args.models:

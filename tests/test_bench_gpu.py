@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from conftest import CORPUS, build_dense
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -143,7 +145,7 @@ def test_bench_gpu_decode_times_every_backend_and_stops_at_its_budget(tmp_path):
     assert got["errors"] == {} and got["skipped"] == []
     want = {f"llama3.2-1b-1l | dense | {c} | batch 2" for c in ("dynamic", "static+compile")} | {
         f"llama3.2-1b-1l | {p} | {c} | batch 2" for p in ("active-50", "active-25")
-        for c in ("eager", "grouped_mm", "batched_mm", "batched_mm static+compile")}
+        for c in ("eager", "grouped_mm", "batched_mm", "batched_mm static+compile", "gather static+compile")}
     assert set(got["rows"]) == want and all(v > 0 for v in got["rows"].values())
     assert json.loads((tmp_path / "work" / "llama3.2-1b-1l" / "config.json").read_text())["num_hidden_layers"] == 1
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu_decode.py"), "--device", "cpu", "--quick",
@@ -163,6 +165,33 @@ def test_bench_gpu_decode_times_every_backend_and_stops_at_its_budget(tmp_path):
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu_decode.py"), "--device", "cpu", "--quick",
                           "--backends", "grouped,eager", "--json", str(out)], capture_output=True, text=True)
     assert res.returncode == 2 and "--backends: unknown grouped" in res.stderr
+
+
+def test_the_gather_experts_backend_computes_what_the_eager_loop_computes(tmp_path, tokenizer_dir):
+    """bench_gpu_decode.py's "gather" experts backend (registered with transformers' ExpertsInterface): the carve's
+    logits as transformers' own per-expert loop gives them, for one token and for several (float32, CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_gpu_decode import register_gather
+
+    dense = build_dense(tmp_path / "dense", tokenizer_dir, num_hidden_layers=2, intermediate_size=128)
+    carve = tmp_path / "carve"
+    res = subprocess.run([sys.executable, "-m", "moeify", "convert", str(dense), str(carve), "--preset",
+                          str(ROOT / "configs" / "active-50.toml"), "--weight-only"], capture_output=True, text=True,
+                         cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    register_gather()
+    ids = torch.randint(0, 384, (3, 7), generator=torch.Generator().manual_seed(0))
+    got = {}
+    for impl in ("eager", "gather"):
+        model = AutoModelForCausalLM.from_pretrained(carve, dtype=torch.float32, experts_implementation=impl).eval()
+        assert model.config._experts_implementation == impl
+        with torch.no_grad():
+            got[impl] = (model(ids).logits, model(ids[:1, :1]).logits)
+    for a, b in zip(got["eager"], got["gather"]):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
+    assert got["eager"][0].abs().max() > 0.1  # logits that say something
 
 
 def test_profile_decode_step_counts_each_part_of_a_dense_model_and_its_carve(tmp_path, tokenizer_dir):
