@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from conftest import CORPUS, build_dense
@@ -167,7 +168,19 @@ def test_bench_gpu_decode_times_every_backend_and_stops_at_its_budget(tmp_path):
     assert res.returncode == 2 and "--backends: unknown grouped" in res.stderr
 
 
-def test_the_gather_experts_backend_computes_what_the_eager_loop_computes(tmp_path, tokenizer_dir):
+@pytest.fixture(scope="module")
+def small_carve(tmp_path_factory, tokenizer_dir):
+    """A 2-layer dense model and its weight-only 50% carve (the preset's layout at d_ff 128)."""
+    root = tmp_path_factory.mktemp("small")
+    dense = build_dense(root / "dense", tokenizer_dir, num_hidden_layers=2, intermediate_size=128)
+    res = subprocess.run([sys.executable, "-m", "moeify", "convert", str(dense), str(root / "carve"), "--preset",
+                          str(ROOT / "configs" / "active-50.toml"), "--weight-only"], capture_output=True, text=True,
+                         cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return dense, root / "carve"
+
+
+def test_the_gather_experts_backend_computes_what_the_eager_loop_computes(small_carve):
     """bench_gpu_decode.py's "gather" experts backend (registered with transformers' ExpertsInterface): the carve's
     logits as transformers' own per-expert loop gives them, for one token and for several (float32, CPU)."""
     from transformers import AutoModelForCausalLM
@@ -175,12 +188,7 @@ def test_the_gather_experts_backend_computes_what_the_eager_loop_computes(tmp_pa
     sys.path.insert(0, str(ROOT / "scripts"))
     from bench_gpu_decode import register_gather
 
-    dense = build_dense(tmp_path / "dense", tokenizer_dir, num_hidden_layers=2, intermediate_size=128)
-    carve = tmp_path / "carve"
-    res = subprocess.run([sys.executable, "-m", "moeify", "convert", str(dense), str(carve), "--preset",
-                          str(ROOT / "configs" / "active-50.toml"), "--weight-only"], capture_output=True, text=True,
-                         cwd=ROOT)
-    assert res.returncode == 0, res.stderr[-2000:]
+    dense, carve = small_carve
     register_gather()
     ids = torch.randint(0, 384, (3, 7), generator=torch.Generator().manual_seed(0))
     got = {}
@@ -194,15 +202,10 @@ def test_the_gather_experts_backend_computes_what_the_eager_loop_computes(tmp_pa
     assert got["eager"][0].abs().max() > 0.1  # logits that say something
 
 
-def test_profile_decode_step_counts_each_part_of_a_dense_model_and_its_carve(tmp_path, tokenizer_dir):
+def test_profile_decode_step_counts_each_part_of_a_dense_model_and_its_carve(small_carve, tmp_path):
     """scripts/profile_decode_step.py on the CPU: one decode step's operators by part, the dense model's FFN in
     'dense mlp', the carve's in its router, shared expert and routed experts, the attention alike in both."""
-    dense = build_dense(tmp_path / "dense", tokenizer_dir, num_hidden_layers=2, intermediate_size=128)
-    carve = tmp_path / "carve"
-    res = subprocess.run([sys.executable, "-m", "moeify", "convert", str(dense), str(carve), "--preset",
-                          str(ROOT / "configs" / "active-50.toml"), "--weight-only"], capture_output=True, text=True,
-                         cwd=ROOT)
-    assert res.returncode == 0, res.stderr[-2000:]
+    dense, carve = small_carve
     out = tmp_path / "profile.json"
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_decode_step.py"), str(dense), str(carve),
                           "--device", "cpu", "--dtype", "float32", "--prompt", "8", "--warmup", "1", "--json",
