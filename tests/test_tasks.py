@@ -396,7 +396,8 @@ def test_bench_tasks_writes_the_result_file(models, task_data, tmp_path, capsys)
     dense, moe = models
     out = tmp_path / "tasks.json"
     assert bench_tasks.main([str(dense), str(moe), "--task-data", str(task_data), "--tasks", "arc_easy,boolq",
-                             "--limit", "2", "--max-tokens", "300", "--device", "cpu", "--out", str(out)]) == 0
+                             "--limit", "2", "--max-tokens", "300", "--device", "cpu", "--out", str(out),
+                             "--cache", str(tmp_path / "kept")]) == 0
     s = json.loads(out.read_text())
     assert s["limit"] == 2 and s["reference"] == "dense" and set(s["tasks"]) == {"arc_easy", "boolq"}
     arc = s["tasks"]["arc_easy"]
@@ -405,3 +406,4 @@ def test_bench_tasks_writes_the_result_file(models, task_data, tmp_path, capsys)
     assert arc["models"]["moe"]["acc"]["diff"] == pytest.approx(arc["models"]["moe"]["acc"]["value"]
                                                                 - arc["models"]["dense"]["acc"]["value"])
     assert str(dense.parent) not in out.read_text() and "wrote" in capsys.readouterr().out
+    assert s["task_answers_reused"] == [0, 0] and len(list((tmp_path / "kept").glob("*.jsonl"))) == 2
