@@ -62,7 +62,8 @@ def test_bench_gpu_curve_only_needs_the_real_model(tmp_path):
     """--curve-only without the real weights at --model: one line, exit 1 (the curve itself runs alone in the
     --curve-points run below)."""
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--device", "cpu", "--offline",
-                          "--curve-only", "--model", str(tmp_path / "absent")], capture_output=True, text=True,
+                          "--curve-only", "--model", str(tmp_path / "absent"), "--work", str(tmp_path / "work")],
+                         capture_output=True, text=True,
                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert res.returncode == 1 and "--curve-only needs the real SmolLM2" in res.stderr
 
