@@ -44,13 +44,21 @@ ROOT = Path(__file__).resolve().parents[1]
 BACKENDS = ("eager", "grouped_mm", "batched_mm", "batched_mm static+compile", "gather static+compile")
 
 
+GATHER_MAX_TOKENS = 64  # more tokens at once (a prompt's prefill): transformers' grouped_mm instead
+
+
 def gather_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                            top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts forward (hidden (T, H), chosen experts (T, k), their weights (T, k)) -> (T, H), with
     each chosen expert's weights indexed inside an elementwise product and a sum (accumulated in float32), so that
     torch.compile makes the gather part of the reduction's loads: no copy of the chosen weights, as batched_mm
-    makes. Eager, it computes the same (slowly: the gathered weights are materialised)."""
+    makes. Eager, it computes the same (slowly: the gathered weights are materialised, T x k experts' worth, which is
+    why more than GATHER_MAX_TOKENS tokens, a prompt's prefill, go to transformers' grouped_mm)."""
     t, k = top_k_index.shape
+    if t > GATHER_MAX_TOKENS:
+        from transformers.integrations.moe import grouped_mm_experts_forward
+
+        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     x = hidden_states.float()
     up = self.gate_up_proj if self.has_gate else self.up_proj
     w = up[top_k_index].float()  # (T, k, 2I, H), or (T, k, H, 2I) transposed

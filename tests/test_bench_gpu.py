@@ -183,7 +183,8 @@ def small_carve(tmp_path_factory, tokenizer_dir):
 
 def test_the_gather_experts_backend_computes_what_the_eager_loop_computes(small_carve):
     """bench_gpu_decode.py's "gather" experts backend (registered with transformers' ExpertsInterface): the carve's
-    logits as transformers' own per-expert loop gives them, for one token and for several (float32, CPU)."""
+    logits as transformers' own per-expert loop gives them, for one token and for several (float32, CPU), and past
+    GATHER_MAX_TOKENS (a prefill, handed to grouped_mm)."""
     from transformers import AutoModelForCausalLM
 
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -192,12 +193,13 @@ def test_the_gather_experts_backend_computes_what_the_eager_loop_computes(small_
     dense, carve = small_carve
     register_gather()
     ids = torch.randint(0, 384, (3, 7), generator=torch.Generator().manual_seed(0))
+    long = torch.randint(0, 384, (2, 40), generator=torch.Generator().manual_seed(1))  # 80 tokens at once
     got = {}
     for impl in ("eager", "gather"):
         model = AutoModelForCausalLM.from_pretrained(carve, dtype=torch.float32, experts_implementation=impl).eval()
         assert model.config._experts_implementation == impl
         with torch.no_grad():
-            got[impl] = (model(ids).logits, model(ids[:1, :1]).logits)
+            got[impl] = (model(ids).logits, model(ids[:1, :1]).logits, model(long).logits)
     for a, b in zip(got["eager"], got["gather"]):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
     assert got["eager"][0].abs().max() > 0.1  # logits that say something
