@@ -431,12 +431,11 @@ def main() -> None:
         script(budget, "profile_tune_step.py", str(shapes[name]), str(carves[(name, "active-50")]), "--tokens",
                str(args.speed_tokens), *dev, "--kernel", first["moe_kernel"], "--compiled",
                "1" if first["compiled"] else "0", "--json", str(path))
-        got = results["speed"][name]["profile"] = json.loads(path.read_text())
-        kinds = got["step"]["kinds"]
-        return (f"{got['step']['wall_ms']:,.0f} ms a step" + (f", GPU idle {got['step']['idle_share']:.0%}"
-                                                               if got["step"]["idle_share"] is not None else "")
-                + "; " + ", ".join(f"{k} {v['share']:.0%}" for k, v in sorted(kinds.items(), key=lambda kv:
-                                                                               -kv[1]["share"])[:4]))
+        results["speed"][name]["profile"] = json.loads(path.read_text())
+        step = results["speed"][name]["profile"]["step"]
+        top = sorted(step["kinds"].items(), key=lambda kv: -kv[1]["share"])[:4]
+        return f"{step['wall_ms']:,.0f} ms a step, GPU idle share {step['idle_share']}; " + ", ".join(
+            f"{k} {v['share']:.0%}" for k, v in top)
 
     def carved(name: str, *presets: str) -> None:
         for preset in presets:
