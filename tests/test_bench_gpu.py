@@ -1,4 +1,5 @@
-"""scripts/bench_gpu.py, the GPU rows' one command, run on the CPU with a tiny model so that it does not rot."""
+"""The GPU benchmark programs (scripts/bench_gpu.py, bench_gpu_speed.py, bench_gpu_curve.py, bench_gpu_decode.py,
+profile_decode_step.py), run on the CPU with a tiny model so that they do not rot."""
 
 from __future__ import annotations
 
@@ -20,8 +21,7 @@ def test_bench_gpu_runs_every_step_on_cpu(tmp_path, tokenizer_dir):
                         initializer_range=0.3)  # d_ff 128: the presets' 64 slices of 2 neurons
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--device", "cpu", "--quick",
                           "--model", str(dense), "--work", str(tmp_path / "work"), "--calib", str(CORPUS),
-                          "--eval", str(CORPUS), "--eval-tokens", "1024", "--first-tokens", "1024",
-                          "--curve-tokens", "2048", "--offload-tokens", "1024", "--json", str(tmp_path / "gpu.json")],
+                          "--dry-tokens", "1024", "--offload-tokens", "1024", "--json", str(tmp_path / "gpu.json")],
                          capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-2000:]
     out = json.loads((tmp_path / "gpu.json").read_text())
@@ -29,12 +29,6 @@ def test_bench_gpu_runs_every_step_on_cpu(tmp_path, tokenizer_dir):
     assert set(out["carve"]["smollm2-135m"]) == {"active-50", "active-25"}
     tuning = out["tuning"]["smollm2-135m"]
     assert tuning["tokens_per_second"] > 0 and tuning["predicted_peak_bytes"] > 0
-    assert [p["tokens"] for p in out["curve"]] == [1024, 2048]
-    points = json.loads((tmp_path / "work" / "curve.json").read_text())["points"]
-    assert [[r["tokens"] for r in p["runs"]] for p in points] == [[1024], [1024, 1024]]  # the second leg continued
-    assert all(0 < p["holdout_kl_after"] <= p["holdout_kl_before"] and p["seconds_per_1k_tokens"] > 0
-               for p in out["curve"])  # each leg's own record, from its report
-    assert all(0 < r < 100 for p in out["curve"] for r in p["ratio"].values())  # scored (a random model: any ratio)
     decode = out["decode"]["smollm2-135m"]
     assert {"dense", "active-50 eager", "active-25 eager"} <= set(decode) and decode["dense"] > 0
     assert decode["active-50 eager"] > 0 and decode["active-25 eager"] > 0
@@ -45,8 +39,8 @@ def test_bench_gpu_runs_every_step_on_cpu(tmp_path, tokenizer_dir):
 
 
 def test_bench_gpu_skips_steps_past_its_budget_and_builds_smollm2_offline(tmp_path, tokenizer_dir):
-    """--offline without the real weights: SmolLM2's shape with synthetic weights, and no curve; a spent budget
-    skips every step and still writes the JSON."""
+    """--offline without the real weights: SmolLM2's shape with synthetic weights; a spent budget skips every step
+    and still writes the JSON."""
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--device", "cpu", "--quick",
                           "--offline", "--model", str(tmp_path / "absent"), "--tokenizer", str(tokenizer_dir),
                           "--work", str(tmp_path / "work"), "--calib", str(CORPUS), "--budget-s", "0",
@@ -54,30 +48,34 @@ def test_bench_gpu_skips_steps_past_its_budget_and_builds_smollm2_offline(tmp_pa
                          capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-2000:]
     out = json.loads((tmp_path / "gpu.json").read_text())
-    assert out["synthetic_smollm2"] and out["carve"] == {} and out["curve"] == []
-    assert out["skipped"] == ["make smollm2-135m", "curve (synthetic weights)"]
+    assert out["synthetic_smollm2"] and out["carve"] == {} and out["tuning"] == {}
+    assert out["skipped"] == ["make smollm2-135m"]
 
 
-def test_bench_gpu_curve_only_needs_the_real_model(tmp_path):
-    """--curve-only without the real weights at --model: one line, exit 1 (the curve itself runs alone in the
-    --curve-points run below)."""
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--device", "cpu", "--offline",
-                          "--curve-only", "--model", str(tmp_path / "absent"), "--work", str(tmp_path / "work")],
-                         capture_output=True, text=True,
-                         env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
-    assert res.returncode == 1 and "--curve-only needs the real SmolLM2" in res.stderr
+def test_bench_gpu_curve_needs_the_real_model_and_token_totals(tmp_path):
+    """bench_gpu_curve.py without the real weights at --model, or with --curve-points that are not numbers: one
+    line, exit 1, before any work (the curve itself runs in the test below)."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_gpu_curve.py"), "--device", "cpu", "--offline", "--model",
+           str(tmp_path / "absent"), "--work", str(tmp_path / "work")]
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert res.returncode == 1 and "the curve needs the real SmolLM2" in res.stderr.strip().splitlines()[-1]
+    res = subprocess.run(cmd + ["--curve-points", "1M,4M"], capture_output=True, text=True, env=env)
+    assert res.returncode == 1 and res.stderr.strip().splitlines()[-1] == (
+        "--curve-points: '1M,4M' is not comma-separated token totals")
+    assert not (tmp_path / "work").exists()
 
 
-def test_bench_gpu_speed_rows_and_curve_points_run_on_cpu(tmp_path, tokenizer_dir):
-    """--speed-only (tuning step per kernel beside a dense training step) and --curve-points with its fit."""
+def test_bench_gpu_speed_times_each_kernel_beside_a_dense_training_step_on_cpu(tmp_path, tokenizer_dir):
+    """bench_gpu_speed.py: the tuning step per kernel beside a dense training step, sampling, the step's profile."""
     dense = build_dense(tmp_path / "dense", tokenizer_dir, num_hidden_layers=2, intermediate_size=128,
                         initializer_range=0.3)
-    common = [sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "--device", "cpu", "--quick", "--model",
-              str(dense), "--calib", str(CORPUS), "--eval", str(CORPUS), "--eval-tokens", "512"]
     # the compiled variant traced by aot_eager (eager kernels): no C++ compiler needed, the same graphs captured
     env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "MOEIFY_COMPILE_BACKEND": "aot_eager"}
-    res = subprocess.run(common + ["--work", str(tmp_path / "w1"), "--speed-only", "--speed-tokens", "2048",
-                                   "--json", str(tmp_path / "speed.json")], capture_output=True, text=True, env=env)
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu_speed.py"), "--device", "cpu", "--quick",
+                          "--model", str(dense), "--calib", str(CORPUS), "--work", str(tmp_path / "w1"),
+                          "--speed-tokens", "2048", "--json", str(tmp_path / "speed.json")],
+                         capture_output=True, text=True, env=env)
     assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-2000:]
     out = json.loads((tmp_path / "speed.json").read_text())
     assert out["errors"] == {}
@@ -100,15 +98,26 @@ def test_bench_gpu_speed_rows_and_curve_points_run_on_cpu(tmp_path, tokenizer_di
     assert step["unit"] == "operators" and step["idle_share"] is None and step["wall_ms"] > 0
     assert step["kinds"]["matmul"]["ms"] > 0 and step["kinds"]["attention"]["count"] > 0
     assert abs(sum(v["share"] for v in step["kinds"].values()) - 1) < 1e-3
-    res = subprocess.run(common + ["--work", str(tmp_path / "w2"), "--curve-only", "--curve-points",
-                                   "1024,2048,4096", "--mix-check", "2048", "--json", str(tmp_path / "curve.json")],
-                         capture_output=True, text=True, env=env)
+
+
+def test_bench_gpu_curve_runs_each_point_from_the_carve_and_fits_the_floor_on_cpu(tmp_path, tokenizer_dir):
+    """bench_gpu_curve.py: the 50% carve, single runs of --curve-points totals scored on held-out text, the
+    sampled-text run beside one of them, the fitted floor."""
+    dense = build_dense(tmp_path / "dense", tokenizer_dir, num_hidden_layers=2, intermediate_size=128,
+                        initializer_range=0.3)
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu_curve.py"), "--device", "cpu", "--quick",
+                          "--model", str(dense), "--calib", str(CORPUS), "--eval", str(CORPUS), "--eval-tokens",
+                          "512", "--work", str(tmp_path / "w2"), "--curve-points", "2048,1024,4096", "--mix-check",
+                          "2048", "--json", str(tmp_path / "curve.json")],
+                         capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-2000:]
     out = json.loads((tmp_path / "curve.json").read_text())
     assert out["errors"] == {} and [p["tokens"] for p in out["curve"]] == [1024, 2048, 4096]
-    # --curve-only: the 50% carve and its curve, nothing else; each point one run from the carve, not continued
     assert set(out["carve"]["smollm2-135m"]) == {"active-50"}
-    assert out["tuning"] == {} and out["decode"] == {} and out["offload"] == {} and out["speed"] == {}
+    assert all(0 < p["holdout_kl_after"] <= p["holdout_kl_before"] and p["seconds_per_1k_tokens"] > 0
+               for p in out["curve"])  # each run's own record, from its report
+    assert all(0 < r < 100 for p in out["curve"] for r in p["ratio"].values())  # scored (a random model: any ratio)
+    # each point one run from the carve, not continued
     points = json.loads((tmp_path / "w2" / "curve.json").read_text())["points"]
     assert [[r["tokens"] for r in p["runs"]] for p in points] == [[1024], [2048], [4096], [2048]]  # the last: mix
     assert out["mix"]["tokens"] == 2048 and out["mix"]["text"]["generated"]["windows"] > 0
