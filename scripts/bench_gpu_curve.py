@@ -29,6 +29,7 @@ from gpu_steps import SMOL, Bench, arguments, moeify, script
 
 def main() -> None:
     ap = arguments(__doc__, "bench_gpu_curve")
+    ap._option_string_actions["--offline"].help = "no fetching: --model must hold the real SmolLM2"
     ap.add_argument("--curve-points", default="1048576,4194304,16777216", help="comma-separated token totals, each "
                     "one run from the carve, then fitted: ratio = r_inf + c * tokens^-b [1M, 4M, 16M]")
     ap.add_argument("--mix-check", type=int, default=0, help="also one run of this many tokens with "
