@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,25 @@ def pytest_collection_modifyitems(config, items):
         name = item.path.name
         n = seen[name] = seen.get(name, -1) + 1
         item.add_marker(pytest.mark.xdist_group(f"{name}:{n % SPLIT[name]}" if name in SPLIT else name))
+
+
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """A folder that build(folder) fills once per test session, whichever pytest-xdist worker asks for it first (the
+    others wait for it, then read it): for read-only fixtures that cost seconds, such as a reference tuning run,
+    needed by several groups of tests. Deterministic builds only: any worker could have made it."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the session's folder, above each worker's own
+    root = base / f"built-once-{name}"
+    with FileLock(f"{root}.lock"):
+        if not (root / ".built").is_file():
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir()
+            build(root)
+            (root / ".built").touch()
+    return root
 
 
 # Real English text bundled in the repo (WikiText-2 training text, CC BY-SA 3.0; see examples/calib/README.md)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import build_dense
+from conftest import build_dense, built_once
 from moeify.config import build_config
 from moeify.conversion import plan_conversion, run_conversion
 from moeify.errors import MoeifyError
@@ -32,14 +32,16 @@ PHASES = ["the tuning text", "the teacher pass", "the tuning loop", "saving a sn
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tokenizer_dir):
-    """A tiny dense model, its carve, and the carve tuned by an undelayed 2-process run (the reference)."""
-    root = tmp_path_factory.mktemp("parallel")
-    dense = build_dense(root / "dense", tokenizer_dir, num_hidden_layers=3, initializer_range=0.3)
-    run_conversion(plan_conversion(dense, build_config(experts=4, top_k=2, **CALIB)), root / "carve")
-    ref = _copy(root / "carve", root / "reference")
-    res = _torchrun(["tune", str(dense), str(ref), *FLAGS])
-    assert res.returncode == 0, res.stderr[-3000:]
-    return dense, root / "carve", ref
+    """A tiny dense model, its carve, and the carve tuned by an undelayed 2-process run (the reference); read-only."""
+    def build(root: Path) -> None:
+        dense = build_dense(root / "dense", tokenizer_dir, num_hidden_layers=3, initializer_range=0.3)
+        run_conversion(plan_conversion(dense, build_config(experts=4, top_k=2, **CALIB)), root / "carve")
+        ref = _copy(root / "carve", root / "reference")
+        res = _torchrun(["tune", str(dense), str(ref), *FLAGS])
+        assert res.returncode == 0, res.stderr[-3000:]
+
+    root = built_once(tmp_path_factory, "parallel-runs", build)  # read by both of this file's groups of tests
+    return root / "dense", root / "carve", root / "reference"
 
 
 def _copy(carve: Path, to: Path) -> Path:

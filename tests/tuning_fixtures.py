@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import build_dense
+from conftest import build_dense, built_once
 from moeify.config import build_config
 from moeify.conversion import plan_conversion, run_conversion
 from moeify.tuning import TuneOptions
@@ -27,11 +27,13 @@ CARVE = dict(experts=4, top_k=2, **CALIB)
 
 @pytest.fixture(scope="module")
 def carved(tmp_path_factory, tokenizer_dir):
-    """A tiny dense model and its untuned carve (module-wide: each test copies the carve)."""
-    root = tmp_path_factory.mktemp("stage")
-    dense = build_dense(root / "dense", tokenizer_dir, num_hidden_layers=3, initializer_range=0.3)  # FFNs matter
-    run_conversion(plan_conversion(dense, build_config(**CARVE)), root / "carve")
-    return dense, root / "carve"
+    """A tiny dense model and its untuned carve, read-only (each test copies the carve)."""
+    def build(root: Path) -> None:
+        dense = build_dense(root / "dense", tokenizer_dir, num_hidden_layers=3, initializer_range=0.3)  # FFNs matter
+        run_conversion(plan_conversion(dense, build_config(**CARVE)), root / "carve")
+
+    root = built_once(tmp_path_factory, "tune-stage", build)  # one for the three tune-stage files' groups
+    return root / "dense", root / "carve"
 
 
 def copy_output(carve: Path, to: Path) -> Path:
