@@ -170,10 +170,14 @@ def main() -> None:
                 + (f" ({r['time_ratio_to_dense']:.2f}x dense)" if "dense" in row else "")
                 + f", a {est['tokens']:,}-token run ~{est['estimated_seconds']:.0f} s")
 
+    def window_len(name: str) -> int:  # the tuning windows' length: the 50% carve's calibration windows
+        report = json.loads((b.carves[(name, "active-50")] / "report.json").read_text())
+        return int(report.get("calibration", {}).get("seq_len") or 512)
+
     def speed_dense(name: str) -> str:  # sized like the first tuning row (its step's tokens and windows a forward)
         row = res["speed"][name]
         first = next(iter(row["tuning"].values()))
-        row["dense"] = dense_step_speed(b.shapes[name], args.device, first["step_tokens"], b.window_len(name),
+        row["dense"] = dense_step_speed(b.shapes[name], args.device, first["step_tokens"], window_len(name),
                                         first["micro_windows"] or 1, 1 if args.quick else 4)
         for v in row["tuning"].values():  # time a token takes, tuning over dense
             v["time_ratio_to_dense"] = row["dense"]["tokens_per_second"] / v["tokens_per_second"]
@@ -183,7 +187,7 @@ def main() -> None:
     def speed_sampling(name: str, keep: bool) -> str:  # the dense model's own text: inline (a GPU run's), kept hidden
         row = res["speed"][name]
         first = next(iter(row["tuning"].values()))
-        batch, sseq = (2, 32) if args.quick else (first["sample_batch"], b.window_len(name))
+        batch, sseq = (2, 32) if args.quick else (first["sample_batch"], window_len(name))
         r = row.setdefault("sampling", {})["kept hidden" if keep else "inline"] = sampling_speed(
             b.shapes[name], args.device, batch, sseq, keep)
         return f"{r['tokens_per_second']:,.0f} tok/s"

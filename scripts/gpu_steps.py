@@ -173,11 +173,6 @@ class Bench:
             if name in self.shapes:
                 self.step(f"carve {name} {preset}", self.carve, name, self.shapes[name], preset, need=30)
 
-    def window_len(self, name: str) -> int:
-        """The tuning windows' length: the 50% carve's calibration windows."""
-        report = json.loads((self.carves[(name, "active-50")] / "report.json").read_text())
-        return int(report.get("calibration", {}).get("seq_len") or 512)
-
     def finish(self) -> None:
         self.results["seconds"] = time.time() - T0
         self.save()
