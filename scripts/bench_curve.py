@@ -49,6 +49,45 @@ def count_ties(model) -> dict:
     return stats
 
 
+class Scorer:
+    """The dense model scored once on the first `eval_tokens` tokens of each text; then point(ckpt) scores a written
+    output on the same tokens and returns its point (perplexity, ratio to dense, routing ties, its tuning runs).
+    `results` holds every point scored, as --json writes it."""
+
+    def __init__(self, dense_dir: Path, texts: list[Path], eval_tokens: int, seq_len: int, device: str = "cpu"):
+        from transformers import AutoModelForCausalLM
+
+        self.seq_len, self.device = seq_len, device
+        names = [p.parent.name if p.name.endswith(".txt") else p.name for p in texts]
+        self.evals = {n: tokens_of(dense_dir, p, eval_tokens) for n, p in zip(names, texts)}
+        dense = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32).to(device).eval()
+        self.dense_ppl = {n: perplexity(dense, ids, seq_len) for n, ids in self.evals.items()}
+        del dense
+        self.results = {"dense": str(dense_dir), "eval": {n: str(p) for n, p in zip(names, texts)},
+                        "eval_tokens": {n: int(ids.numel()) for n, ids in self.evals.items()}, "seq_len": seq_len,
+                        "dense_ppl": self.dense_ppl, "points": []}
+
+    def point(self, ckpt: Path, label: str = "") -> dict:
+        report = json.loads((ckpt / "report.json").read_text())
+        tuning = report.get("tuning", {})
+        model = load_moe(ckpt).to(self.device)
+        ppl, ties = {}, {}
+        for n, ids in self.evals.items():
+            counts = count_ties(model)
+            ppl[n] = perplexity(model, ids, self.seq_len)
+            counts["remove"]()
+            ties[n] = counts["tied"] / max(1, counts["n"])
+        del model
+        point = {"label": label, "checkpoint": str(ckpt), "tokens": tuning.get("tokens", 0),
+                 "runs": [{k: r.get(k) for k in ("tokens", "steps", "seconds", "cpu_seconds", "seconds_per_1k_tokens",
+                                                 "holdout_kl_before", "holdout_kl_after", "step_kept", "seed",
+                                                 "resumed")} for r in tuning.get("runs", [])],
+                 "ppl": ppl, "ratio": {n: ppl[n] / self.dense_ppl[n] for n in ppl},
+                 "routing_ties": ties}  # share of token-layers whose top-k by probability and by logit differ
+        self.results["points"].append(point)
+        return point
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dense", type=Path)
@@ -64,40 +103,16 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from transformers import AutoModelForCausalLM
-
-    names = [p.parent.name if p.name.endswith(".txt") else p.name for p in args.eval]
-    evals = {n: tokens_of(args.dense, p, args.eval_tokens) for n, p in zip(names, args.eval)}
-    dense = AutoModelForCausalLM.from_pretrained(args.dense, dtype=torch.float32).to(args.device).eval()
-    dense_ppl = {n: perplexity(dense, ids, args.seq_len) for n, ids in evals.items()}
-    del dense
-    results = {"dense": str(args.dense), "eval": {n: str(p) for n, p in zip(names, args.eval)},
-               "eval_tokens": {n: int(ids.numel()) for n, ids in evals.items()}, "seq_len": args.seq_len,
-               "dense_ppl": dense_ppl, "points": []}
+    scorer = Scorer(args.dense, args.eval, args.eval_tokens, args.seq_len, args.device)
+    results = scorer.results
     if args.append and args.json and args.json.is_file():
         results["points"] = json.loads(args.json.read_text())["points"]
-    print("dense ppl " + ", ".join(f"{n} {p:.3f}" for n, p in dense_ppl.items()), flush=True)
+    print("dense ppl " + ", ".join(f"{n} {p:.3f}" for n, p in scorer.dense_ppl.items()), flush=True)
     for ckpt in args.checkpoints:
-        report = json.loads((ckpt / "report.json").read_text())
-        tuning = report.get("tuning", {})
-        model = load_moe(ckpt).to(args.device)
-        ppl, ties = {}, {}
-        for n, ids in evals.items():
-            counts = count_ties(model)
-            ppl[n] = perplexity(model, ids, args.seq_len)
-            counts["remove"]()
-            ties[n] = counts["tied"] / max(1, counts["n"])
-        del model
-        point = {"label": args.label, "checkpoint": str(ckpt), "tokens": tuning.get("tokens", 0),
-                 "runs": [{k: r.get(k) for k in ("tokens", "steps", "seconds", "cpu_seconds", "seconds_per_1k_tokens",
-                                                 "holdout_kl_before", "holdout_kl_after", "step_kept", "seed",
-                                                 "resumed")} for r in tuning.get("runs", [])],
-                 "ppl": ppl, "ratio": {n: ppl[n] / dense_ppl[n] for n in ppl},
-                 "routing_ties": ties}  # share of token-layers whose top-k by probability and by logit differ
-        results["points"].append(point)
+        point = scorer.point(ckpt, args.label)
         print(f"{ckpt.name}: {point['tokens']:,} tuning tokens, ratio "
               + "  ".join(f"{n} {v:.3f}" for n, v in point["ratio"].items())
-              + f"; routing ties {max(ties.values()):.2%} of token-layers at most", flush=True)
+              + f"; routing ties {max(point['routing_ties'].values()):.2%} of token-layers at most", flush=True)
         if args.json:
             args.json.write_text(json.dumps(results, indent=1) + "\n")
 

@@ -5,11 +5,11 @@
         --curve-points 1048576,4194304,16777216 --mix-check 4194304 --budget-s 540 --json curve.json
 
 The 50% preset carved on the device (`moeify convert --no-tune`, calibrated), then single `moeify tune` runs of the
---curve-points totals, each from the carve, each scored by scripts/bench_curve.py on the held-out texts (perplexity
-ratio to dense per text), and the floor they approach fitted (scripts/fit_tuning_curve.py: ratio = r_inf + c *
-tokens^-b); --mix-check T: one more run of T tokens with --tune-generated 0.9 (sampled text in place of repeated
-real text), beside the curve's point of the same tokens. A run the budget would stop (predicted from the last one's
-time a token, its scoring included) is not started.
+--curve-points totals, each from the carve, each scored on the held-out texts (perplexity ratio to dense per text,
+by scripts/bench_curve.py's Scorer in this process: the dense model scored once), and the floor they approach
+fitted (scripts/fit_tuning_curve.py: ratio = r_inf + c * tokens^-b); --mix-check T: one more run of T tokens with
+--tune-generated 0.9 (sampled text in place of repeated real text), beside the curve's point of the same tokens. A
+run the budget would stop (predicted from the last one's time a token, its scoring included) is not started.
 
 It needs the real weights (the curve depends on them): a device machine reaches no package index, so
 scripts/device_carry.py brings the model there first. CI runs it on the CPU with a tiny model (`--device cpu
@@ -24,7 +24,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from gpu_steps import SMOL, Bench, arguments, moeify, script
+from gpu_steps import SMOL, Bench, arguments, moeify
 
 
 def main() -> None:
@@ -51,7 +51,8 @@ def main() -> None:
     b.smollm2()
     b.carved(SMOL, "active-50")
     curve_dir = args.work / "curve-active-50"
-    scores = args.work / "curve.json"
+    scores = args.work / "curve.json"  # every point's scores (scripts/bench_curve.py's --json)
+    held: dict = {}
 
     def fresh() -> None:  # the carve again (and no stopped run's state)
         subprocess.run(["rm", "-rf", str(curve_dir), f"{curve_dir}.moeify-tune"], check=True)
@@ -63,10 +64,16 @@ def main() -> None:
         fresh()
         r = moeify(budget, "tune", str(args.model), str(curve_dir), "--tokens", str(tokens), *extra, *b.dev,
                    json_out=True)
-        script(budget, "bench_curve.py", str(args.model), str(curve_dir), "--eval-tokens", str(args.eval_tokens),
-               "--device", args.device, *(["--eval", *map(str, args.eval)] if args.eval else []),
-               "--json", str(scores), "--append")
-        ratio = json.loads(scores.read_text())["points"][-1]["ratio"]
+        if "scorer" not in held:  # the dense model's perplexities, once
+            from bench_curve import TEXTS, Scorer
+
+            held["scorer"] = Scorer(args.model, args.eval or TEXTS, args.eval_tokens, 256, args.device)
+        ratio = held["scorer"].point(curve_dir)["ratio"]
+        scores.write_text(json.dumps(held["scorer"].results, indent=1) + "\n")
+        if args.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.empty_cache()  # the next run's process gets the memory scoring held
         run = r.get("tuning", {}).get("runs", [{}])[-1]
         print(f"curve: {tokens:,} tokens {' '.join(extra)}, ratio " + " ".join(f"{v:.3f}" for v in ratio.values())
               + f" ({r['wall_s']:.0f} s tuning)", flush=True)
