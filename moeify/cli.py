@@ -56,7 +56,6 @@ def _run_eval(models: list[Path], data: Optional[str], settings, json_dest: Opti
         console.print(f"[bold green]wrote[/] {plot_routing(result, plot)}")
 
 
-@app.command("eval")
 def eval_cmd(
     models: list[Path] = typer.Argument(..., help="Model directories; the first is the reference (e.g. the dense "
                                         "source). All must share its tokenizer."),
@@ -294,6 +293,7 @@ def convert(
 from .cli_tune import interrupted_tuning as _interrupted_tuning, tune_cmd  # noqa: E402 (here: the order of --help)
 
 app.command("tune")(tune_cmd)
+app.command("eval")(eval_cmd)  # listed in --help in the order of use: convert, tune, eval
 
 
 @app.command("plan")
