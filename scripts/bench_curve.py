@@ -49,6 +49,12 @@ def count_ties(model) -> dict:
     return stats
 
 
+def release(device: str) -> None:
+    """Give a GPU's cached memory back once a model is freed (a caller may start another process on the GPU)."""
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
 class Scorer:
     """The dense model scored once on the first `eval_tokens` tokens of each text; then point(ckpt) scores a written
     output on the same tokens and returns its point (perplexity, ratio to dense, routing ties, its tuning runs).
@@ -63,6 +69,7 @@ class Scorer:
         dense = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32).to(device).eval()
         self.dense_ppl = {n: perplexity(dense, ids, seq_len) for n, ids in self.evals.items()}
         del dense
+        release(device)
         self.results = {"dense": str(dense_dir), "eval": {n: str(p) for n, p in zip(names, texts)},
                         "eval_tokens": {n: int(ids.numel()) for n, ids in self.evals.items()}, "seq_len": seq_len,
                         "dense_ppl": self.dense_ppl, "points": []}
@@ -78,6 +85,7 @@ class Scorer:
             counts["remove"]()
             ties[n] = counts["tied"] / max(1, counts["n"])
         del model
+        release(self.device)
         point = {"label": label, "checkpoint": str(ckpt), "tokens": tuning.get("tokens", 0),
                  "runs": [{k: r.get(k) for k in ("tokens", "steps", "seconds", "cpu_seconds", "seconds_per_1k_tokens",
                                                  "holdout_kl_before", "holdout_kl_after", "step_kept", "seed",

@@ -52,28 +52,19 @@ def main() -> None:
     b.carved(SMOL, "active-50")
     curve_dir = args.work / "curve-active-50"
     scores = args.work / "curve.json"  # every point's scores (scripts/bench_curve.py's --json)
-    held: dict = {}
 
     def fresh() -> None:  # the carve again (and no stopped run's state)
         subprocess.run(["rm", "-rf", str(curve_dir), f"{curve_dir}.moeify-tune"], check=True)
         subprocess.run(["cp", "-r", str(b.carves[(SMOL, "active-50")]), str(curve_dir)], check=True)
 
-    def point(tokens: int, *extra: str) -> dict:
+    def point(scorer, tokens: int, *extra: str) -> dict:
         """One run of `tokens` from the carve, scored on the held-out texts."""
         t0 = time.time()
         fresh()
         r = moeify(budget, "tune", str(args.model), str(curve_dir), "--tokens", str(tokens), *extra, *b.dev,
                    json_out=True)
-        if "scorer" not in held:  # the dense model's perplexities, once
-            from bench_curve import TEXTS, Scorer
-
-            held["scorer"] = Scorer(args.model, args.eval or TEXTS, args.eval_tokens, 256, args.device)
-        ratio = held["scorer"].point(curve_dir)["ratio"]
-        scores.write_text(json.dumps(held["scorer"].results, indent=1) + "\n")
-        if args.device.startswith("cuda"):
-            import torch
-
-            torch.cuda.empty_cache()  # the next run's process gets the memory scoring held
+        ratio = scorer.point(curve_dir)["ratio"]
+        scores.write_text(json.dumps(scorer.results, indent=1) + "\n")
         run = r.get("tuning", {}).get("runs", [{}])[-1]
         print(f"curve: {tokens:,} tokens {' '.join(extra)}, ratio " + " ".join(f"{v:.3f}" for v in ratio.values())
               + f" ({r['wall_s']:.0f} s tuning)", flush=True)
@@ -93,14 +84,17 @@ def main() -> None:
         return True
 
     def points() -> str:  # single runs of the given totals, then the floor they approach
+        from bench_curve import TEXTS, Scorer
+
+        scorer = Scorer(args.model, args.eval or TEXTS, args.eval_tokens, 256, args.device)  # dense scored once
         for tokens in totals:
             if not fits(tokens):
                 break
-            res["curve"].append(point(tokens))
+            res["curve"].append(point(scorer, tokens))
             b.save()
         if args.mix_check and fits(args.mix_check):  # sampled text in place of repeated real text
             res["mix"] = {"tokens": args.mix_check, "generated": 0.9,
-                          **point(args.mix_check, "--tune-generated", "0.9")}
+                          **point(scorer, args.mix_check, "--tune-generated", "0.9")}
             b.save()
         from fit_tuning_curve import fit_asymptote
 
