@@ -268,6 +268,11 @@ def _task_lines(ev: dict) -> list[str]:
             items = f"{r['n']:,}" + (f" of {r['of']:,}" if r.get("of") and r["of"] != r["n"] else "")
             rows.append(f"| {r['task']} | {r['metric']} | {items} | {r['reference']:{spec}} | {r['this']:{spec}} "
                         f"| {diff} |")
+        kept = tasks.get("retention")
+        if kept and "retention" in kept:
+            rows += ["", f"- Retention: {names[-1]} keeps {kept['retention']:.1%} ± {kept['retention_se']:.1%} of "
+                     f"{names[0]}'s accuracy, {kept['margin_kept']:.1%} ± {kept['margin_kept_se']:.1%} of its margin "
+                     f"above chance (mean over {', '.join(kept['tasks'])}; paired standard errors)."]
     if gen:
         rows += ["", f"- Generation health: repeated {gen['ngram']}-grams in greedy continuations of {gen['prompts']} "
                  f"prompts from {ev.get('data', 'the text')} ({gen['new_tokens']} new tokens each): {names[0]} "
@@ -292,7 +297,10 @@ def record_evaluation(out: Path, result: dict, reference: dict, this: dict) -> N
     i = [m["path"] for m in result["models"]].index(this["path"])
     if result.get("tasks"):
         t = result["tasks"]
-        ev["tasks"] = {"lm_eval": t["lm_eval"], "limit": t["limit"], "rows": [
+        kept = (t.get("retention") or {}).get("models", [])
+        ev["tasks"] = {"lm_eval": t["lm_eval"], "limit": t["limit"],
+                       "retention": {k: v for k, v in kept[i - 1].items() if k != "path"} if 0 < i <= len(kept)
+                       else None, "rows": [
             {"task": name, "metric": metric, "n": task["n"], "of": task["of"], "reference": entries[0]["value"],
              "this": entries[i]["value"], "diff": entries[i]["diff"], "diff_se": entries[i]["diff_se"]}
             for name, task in t["tasks"].items() for metric, entries in task["metrics"].items()]}

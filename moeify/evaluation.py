@@ -159,6 +159,29 @@ def paired_difference(reference: Sequence[float], other: Sequence[float]) -> tup
     return mean_and_se([b - a for a, b in zip(reference, other)])
 
 
+def kept_share(reference: Sequence[float], other: Sequence[float],
+               chance: Sequence[float] | None = None) -> tuple[float, float]:
+    """What `other` keeps of `reference`'s accuracy on the same items: (mean(other) − c) / (mean(reference) − c),
+    c the mean accuracy by chance (per item; None: 0, the plain ratio), and its paired SE by the delta method: the
+    sd of the per-item influences ((b − c_i) − r (a − c_i)) / (mean(reference) − c), over √n."""
+    c = [0.0] * len(reference) if chance is None else list(chance)
+    if not len(reference) == len(other) == len(c) or not c:
+        raise ValueError(f"kept_share needs the same items: {len(reference)}, {len(other)}, {len(c)} values")
+    base = math.fsum(a - ci for a, ci in zip(reference, c)) / len(c)
+    if base <= 0:
+        raise ValueError("kept_share: the reference is no better than chance on these items")
+    r = math.fsum(b - ci for b, ci in zip(other, c)) / len(c) / base
+    return r, mean_and_se([((b - ci) - r * (a - ci)) / base for a, b, ci in zip(reference, other, c)])[1]
+
+
+def pooled(shares: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """The mean of independent estimates (value, SE) and its SE: sqrt(Σ SE²) / n."""
+    if not shares:
+        raise ValueError("pooled of no estimates")
+    return (math.fsum(v for v, _ in shares) / len(shares),
+            math.sqrt(math.fsum(se * se for _, se in shares)) / len(shares))
+
+
 def repeated_ngram_share(tokens: Sequence[int], n: int = GEN_NGRAM) -> float:
     """Share of a sequence's n-grams that repeat an earlier n-gram of it: 1 − distinct / all (rep-n of Welleck et
     al. 2019, "Neural text degeneration with unlikelihood training"); 0 when it has no n-gram."""

@@ -118,6 +118,7 @@ def print_tasks(console: Console, result, labels: list[str]) -> None:
         console.print(f"[dim]Δ {labels[0]}: the difference to {labels[0]} (ppl: the ratio) and its paired SE (sd of "
                       "the per-item differences / √n). acc_norm: choices scored per character of their text; ppl: "
                       "LAMBADA's perplexity of the last word, acc: its greedy prediction.[/]", highlight=False)
+        print_retention(console, t.get("retention"), labels)
     gen = [m.generation for m in result.models]
     if all(gen):
         g = result.settings["generation"]
@@ -128,6 +129,25 @@ def print_tasks(console: Console, result, labels: list[str]) -> None:
                              ["model", f"repeated {g['ngram']}-grams", "± SE", f"Δ {labels[0]}", "± paired"], rows))
         console.print(f"[dim]repeated {g['ngram']}-grams: share of a continuation's {g['ngram']}-grams that repeat "
                       "an earlier one (0: none; a degenerate model loops).[/]", highlight=False)
+
+
+def print_retention(console: Console, r: dict | None, labels: list[str]) -> None:
+    """One line a model: the share of the first model's accuracy it keeps, pooled over the informative tasks."""
+    if not r:
+        return
+    left = [n for n, t in r["tasks"].items() if not t["informative"]]
+    for label, m in zip(labels[1:], r["models"]):
+        if "retention" not in m:
+            console.print(f"retention: no task where {labels[0]} is clear of chance", highlight=False)
+            continue
+        console.print(f"[bold]{label}[/] keeps {m['retention']:.1%} ± {m['retention_se']:.1%} of {labels[0]}'s "
+                      f"accuracy (its margin above chance: {m['margin_kept']:.1%} ± {m['margin_kept_se']:.1%})",
+                      highlight=False)
+    read = ", ".join(f"{n} {t['metric']}" for n, t in r["tasks"].items() if t["informative"])
+    console.print(f"[dim]retention: mean over the tasks where {labels[0]} is {r['informative_ses']} SEs above chance ({read}) of "
+                  f"accuracy / {labels[0]}'s; ± the paired SE"
+                  + (f"; left out as no better than chance: {', '.join(left)}" if left else "") + ".[/]",
+                  highlight=False)
 
 
 def _rate(tokens_per_s: float) -> str:

@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+from . import loglik
 from .errors import MoeifyError
-from .evaluation import mean_and_se, paired_difference
+from .evaluation import kept_share, mean_and_se, paired_difference, pooled
 from .text import first_line
 
 BUNDLED = ("arc_easy", "arc_challenge", "piqa", "hellaswag", "boolq", "lambada_openai")
@@ -36,7 +37,11 @@ TASK_DATA_ENV = "MOEIFY_TASK_DATA"  # the folder of the six tasks' files when --
 INSTALL = "pip install 'moeify[tasks]' (lm-eval 0.4 and accelerate)"
 OFFLINE_HINT = (f"offline: --task-data DIR (a folder of the six tasks' files, e.g. shared/tasks; or ${TASK_DATA_ENV}) "
                 "or --task-dir DIR (your own lm-eval task YAMLs over local files)")
-REQUESTS_PER_TICK = 256  # log-likelihood requests between progress updates
+# each task's reading (the metric the field reports it by: length-normalised where choices differ in length)
+PRIMARY = {"arc_easy": "acc", "arc_challenge": "acc_norm", "piqa": "acc_norm", "hellaswag": "acc_norm",
+           "boolq": "acc", "lambada_openai": "acc"}
+INFORMATIVE_SES = 3  # a task counts towards retention when the first model is this many SEs above chance
+TOKENS_PER_ROW = 256  # a forward holds up to batch_size contexts and batch_size x this many tokens (padded)
 
 
 @dataclass
@@ -56,6 +61,7 @@ class ModelTasks:
 
     path: str
     items: dict[str, dict[str, dict[int, float]]] = field(default_factory=dict)
+    chance: dict[str, dict[int, float]] = field(default_factory=dict)  # task -> {doc_id: accuracy by chance}
     seconds: float = 0.0
     reused: int = 0  # answers read from the cache, not computed (their time is not in seconds)
 
@@ -105,7 +111,7 @@ def cache_key(path: str | Path, model, batch_size: int) -> str:
 
     from .checkpoint import hash_files, weights_fingerprint
 
-    h = hashlib.sha256(b"moeify task answers 1")
+    h = hashlib.sha256(b"moeify task answers 2")
     hash_files(h, Path(path), ["config.json"])
     weights_fingerprint(h, Path(path))
     h.update(f"{model.dtype}|{model.device.type}|{batch_size}|{lm_eval.__version__}".encode())
@@ -269,23 +275,30 @@ def score_tasks(model, tokenizer, loaded: LoadedTasks, path: str | Path, batch_s
     kept = (AnswerCache(Path(cache) / f"{Path(path).name}-{cache_key(path, model, batch_size)}.jsonl")
             if cache is not None else None)
 
-    class Counted(HFLM):  # the harness's own scoring, in slices, so that progress can be said (and answers kept)
+    class Counted(HFLM):  # lm-eval's requests, tokenization and metrics; the scoring packed (moeify.loglik)
         def loglikelihood(self, requests, disable_tqdm: bool = False):
             keys = [AnswerCache.key(r.args) for r in requests] if kept else []
             todo = [i for i, k in enumerate(keys) if k not in kept.answers] if kept else list(range(len(requests)))
             reused[0] += len(requests) - len(todo)
-            out = {}
-            if progress and not todo:  # every answer kept from before
-                progress(len(requests), len(requests))
-            for start in range(0, len(todo), REQUESTS_PER_TICK):
-                part = todo[start:start + REQUESTS_PER_TICK]
-                got = super().loglikelihood([requests[i] for i in part], disable_tqdm=True)
+            out: dict[int, tuple[float, bool]] = {}
+
+            def done(indices: list[int], answers: list[tuple[float, bool]]) -> None:
                 if kept:
-                    kept.add([keys[i] for i in part], got)
-                out.update(zip(part, got))
+                    kept.add([keys[todo[j]] for j in indices], answers)
+                out.update((todo[j], a) for j, a in zip(indices, answers))
                 if progress:
                     progress(len(requests) - len(todo) + len(out), len(requests))
+
+            if progress and not todo:  # every answer kept from before
+                progress(len(requests), len(requests))
+            self.answered = done
+            if todo:
+                super().loglikelihood([requests[i] for i in todo], disable_tqdm=True)
             return [out[i] if i in out else kept.answers[keys[i]] for i in range(len(requests))]
+
+        def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
+            return loglik.score(self.model, [(ctx, cont) for _, ctx, cont in requests], self.max_length,
+                                max_rows=batch_size, max_tokens=TOKENS_PER_ROW * batch_size, done=self.answered)
 
     t0 = time.perf_counter()
     with _quiet():
@@ -298,7 +311,23 @@ def score_tasks(model, tokenizer, loaded: LoadedTasks, path: str | Path, batch_s
             for metric in sample["metrics"]:
                 per_metric.setdefault(metric, {})[int(sample["doc_id"])] = float(sample[metric])
         result.items[name] = per_metric
+        result.chance[name] = chance_by_item(out["samples"][name],
+                                             loaded.task_dict["tasks"][name].get_config("output_type"))
     return result
+
+
+def chance_by_item(samples: list[dict], output_type: str | None) -> dict[int, float]:
+    """{doc_id: the accuracy of guessing}: 1 / the number of choices for a multiple-choice item; where every item
+    offers the same choices (BoolQ's no / yes), the share of the commonest right answer (what always giving it
+    scores); 0 for a task that is not multiple choice (LAMBADA's word)."""
+    ids = [int(s["doc_id"]) for s in samples]
+    if output_type != "multiple_choice":
+        return dict.fromkeys(ids, 0.0)
+    choices = [tuple(str(a[1]) for a in s["arguments"]) for s in samples]
+    if len(set(choices)) == 1 and len(samples) > 1:
+        targets = [str(s["target"]) for s in samples]
+        return dict.fromkeys(ids, max(targets.count(t) for t in set(targets)) / len(targets))
+    return {i: 1 / len(c) for i, c in zip(ids, choices)}
 
 
 def compare_tasks(loaded: LoadedTasks, models: list[ModelTasks]) -> dict:
@@ -324,7 +353,56 @@ def compare_tasks(loaded: LoadedTasks, models: list[ModelTasks]) -> dict:
         tasks[name] = {"n": len(next(iter(ref.values()), {})), "of": _size(task), "origin": loaded.origin[name],
                        "num_fewshot": task.get_config("num_fewshot"), "metrics": rows}
     return {"lm_eval": loaded.lm_eval_version, "limit": loaded.limit, "tasks": tasks,
-            "seconds": [round(m.seconds, 1) for m in models], "reused": [m.reused for m in models]}
+            "retention": retention(loaded, models), "seconds": [round(m.seconds, 1) for m in models],
+            "reused": [m.reused for m in models]}
+
+
+def primary_metric(task: str, metrics) -> str | None:
+    """The metric a task is read by: PRIMARY's, else acc_norm, else acc (None: no accuracy to keep)."""
+    for metric in (PRIMARY.get(task), "acc_norm", "acc"):
+        if metric in metrics:
+            return metric
+    return None
+
+
+def retention(loaded: LoadedTasks, models: list[ModelTasks]) -> dict:
+    """How much of the first model's accuracy each other model keeps: per task (its primary metric) the ratio of
+    accuracies and the share of the margin above chance kept, each ± its paired SE (evaluation.kept_share); pooled
+    over the informative tasks (those where the first model is at least INFORMATIVE_SES standard errors above
+    chance) as their mean ± sqrt(Σ SE²) / n."""
+    ref = models[0]
+    per_task, informative = {}, []
+    for name in loaded.names:
+        metric = primary_metric(name, ref.items[name])
+        if metric is None:
+            continue
+        ids = sorted(ref.items[name][metric])
+        a = [ref.items[name][metric][i] for i in ids]
+        c = [ref.chance[name][i] for i in ids]
+        value, se = mean_and_se(a)
+        chance = math.fsum(c) / len(c)
+        per_task[name] = {"metric": metric, "chance": chance, "informative": value > chance and value - chance >= INFORMATIVE_SES * se}
+        if per_task[name]["informative"]:
+            informative.append(name)
+    out = []
+    for m in models[1:]:
+        tasks = {}
+        for name, t in per_task.items():
+            if not t["informative"]:
+                continue
+            ids = sorted(ref.items[name][t["metric"]])
+            a = [ref.items[name][t["metric"]][i] for i in ids]
+            b = [m.items[name][t["metric"]][i] for i in ids]
+            c = [ref.chance[name][i] for i in ids]
+            (r, r_se), (k, k_se) = kept_share(a, b), kept_share(a, b, c)
+            tasks[name] = {"retention": r, "retention_se": r_se, "margin_kept": k, "margin_kept_se": k_se}
+        entry: dict = {"path": m.path, "tasks": tasks}
+        if tasks:
+            (r, r_se), (k, k_se) = (pooled([(t[key], t[key + "_se"]) for t in tasks.values()])
+                                    for key in ("retention", "margin_kept"))
+            entry.update(retention=r, retention_se=r_se, margin_kept=k, margin_kept_se=k_se)
+        out.append(entry)
+    return {"tasks": per_task, "informative": informative, "informative_ses": INFORMATIVE_SES, "models": out}
 
 
 def _metric_entry(metric: str, ref: list[float], values: list[float], is_ref: bool) -> dict:

@@ -9,12 +9,15 @@
 #   smollm2-262k   SmolLM2-135M, both presets tuned on 262,144 tokens    (~50 min a tune + ~45 min of tasks)
 #   qwen05-free    Qwen2.5-Coder-0.5B, both presets training-free          (~22 min of carving + ~35 min of tasks)
 #   qwen05-262k    Qwen2.5-Coder-0.5B, both presets tuned on 262,144 tokens (hours a tune + ~25 min of tasks)
+#   smollm2-1000   SmolLM2-135M, both presets training-free and the 50% one carved again with --seed 1 (the noise
+#                  floor), each task's first 1,000 items in bfloat16 (~12 min of carving + ~45 min of tasks)
 # Run it alone (nice is fine): tuning and scoring share nothing with other jobs but the cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TASKS="--task-data ../shared/tasks --limit 100 --max-tokens 4096"
-carve() {  # SRC OUT PRESET: the training-free carve, unless it is there
-  [ -f "$2/report.json" ] || .venv/bin/moeify convert "$1" "$2" --preset "configs/active-$3.toml" --no-tune --overwrite
+carve() {  # SRC OUT PRESET [FLAGS...]: the training-free carve, unless it is there
+  [ -f "$2/report.json" ] || .venv/bin/moeify convert "$1" "$2" --preset "configs/active-$3.toml" --no-tune --overwrite \
+    "${@:4}"
 }
 tuned() {  # SRC CARVE OUT TOKENS: the carve tuned on TOKENS, resumed if a run was interrupted
   if [ -d "$3.moeify-tune" ]; then
@@ -43,6 +46,14 @@ for step in ${*:-smollm2-262k}; do
       done
       .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/tasks-q50-262k out/tasks-q25-262k $TASKS \
         --out results/quality/tasks-qwen05-262k-limit100.json ;;
-    *) echo "bench_tasks.sh: unknown step $step (smollm2-262k, qwen05-free, qwen05-262k)" >&2; exit 2 ;;
+    smollm2-1000)
+      carve models/smollm2-135m out/smollm2-a50 50
+      carve models/smollm2-135m out/smollm2-a50-seed1 50 --seed 1
+      carve models/smollm2-135m out/smollm2-a25 25
+      .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/smollm2-a50 out/smollm2-a50-seed1 \
+        out/smollm2-a25 --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
+        --out results/quality/tasks-smollm2-trainingfree-1000.json ;;
+    *) echo "bench_tasks.sh: unknown step $step (smollm2-262k, qwen05-free, qwen05-262k, smollm2-1000)" >&2
+       exit 2 ;;
   esac
 done

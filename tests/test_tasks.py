@@ -160,8 +160,7 @@ def test_accuracy_and_paired_se_equal_a_hand_computation_of_the_same_loglikeliho
     assert all(m.generation is None for m in result.models)  # generation=False: accuracy alone
 
 
-def test_kept_answers_resume_an_interrupted_run_and_spare_a_model_scored_before(models, task_dir, tmp_path,
-                                                                                 monkeypatch):
+def test_kept_answers_resume_an_interrupted_run_and_spare_a_model_scored_before(models, task_dir, tmp_path):
     """--task-cache: each answer kept as computed; a run stopped part-way resumes from them (a line a kill cut short
     skipped), a model scored before computes nothing, and every item's value is the uncached run's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -175,30 +174,32 @@ def test_kept_answers_resume_an_interrupted_run_and_spare_a_model_scored_before(
     tok = AutoTokenizer.from_pretrained(dense)
     plain = tasks.score_tasks(model, tok, loaded, dense, 4)
     n = 23 + 6  # the multiple-choice items' 2-4 choices, and the last-word items: one request each
-    monkeypatch.setattr(tasks, "REQUESTS_PER_TICK", 5)
+    stopped = []
 
-    def stop(done, total):
+    def stop(done, total):  # a tick a forward: up to 2 contexts (their 2-4 choices each) with batch size 2
         if done >= 10:
+            stopped.append(done)
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        tasks.score_tasks(model, tok, loaded, dense, 4, stop, cache=tmp_path / "kept")
+        tasks.score_tasks(model, tok, loaded, dense, 2, stop, cache=tmp_path / "kept")
     (kept,) = (tmp_path / "kept").glob("*.jsonl")
-    assert kept.name.startswith("dense-") and len(kept.read_text().splitlines()) == 10
+    assert 10 <= stopped[0] < n and kept.name.startswith("dense-")
+    assert len(kept.read_text().splitlines()) == stopped[0]  # every answer given before the stop kept
     with open(kept, "a") as fh:
         fh.write('{"k": "0123", "ll": -1.')  # a kill in the middle of a line
     ticks = []
-    resumed = tasks.score_tasks(model, tok, loaded, dense, 4, lambda d, t: ticks.append((d, t)),
+    resumed = tasks.score_tasks(model, tok, loaded, dense, 2, lambda d, t: ticks.append((d, t)),
                                 cache=tmp_path / "kept")
-    assert resumed.reused == 10 and ticks[0] == (15, n) and ticks[-1] == (n, n)
-    again = tasks.score_tasks(model, tok, loaded, dense, 4, cache=tmp_path / "kept")
+    assert resumed.reused == stopped[0] and stopped[0] < ticks[0][0] < n and ticks[-1] == (n, n)
+    again = tasks.score_tasks(model, tok, loaded, dense, 2, cache=tmp_path / "kept")
     assert again.reused == n and len(tasks.AnswerCache(kept).answers) == n
     for got in (resumed, again):
         for task, metrics in plain.items.items():
             for metric, values in metrics.items():
                 assert got.items[task][metric] == pytest.approx(values, abs=1e-5), (task, metric)
     assert again.items == resumed.items  # the kept floats read back exactly
-    tasks.score_tasks(model, tok, loaded, dense, 2, cache=tmp_path / "kept")  # another batch size: its own file
+    tasks.score_tasks(model, tok, loaded, dense, 4, cache=tmp_path / "kept")  # another batch size: its own file
     assert len(list((tmp_path / "kept").glob("dense-*.jsonl"))) == 2
     with pytest.raises(MoeifyError, match="--task-cache go with --tasks"):
         moeify.evaluate([dense], task_cache=tmp_path / "kept")
@@ -374,6 +375,9 @@ def test_cli_tasks_table_fits_80_columns_json_and_card(models, task_dir, task_da
     assert ["5", "of", "8", "items", "acc", "B", f"{acc[1]['value']:.4f}", f"{acc[1]['se']:.4f}",
             f"{acc[1]['diff']:+.4f}", f"{acc[1]['diff_se']:.4f}"] in rows
     assert "generation health" in out and any(r[:1] == ["B"] and len(r) == 5 for r in rows)
+    kept = data["tasks"]["retention"]  # tiny random models: which tasks clear chance is whatever it is
+    assert kept["informative_ses"] == 3 and set(kept["tasks"]) == {"tiny_mc", "arc_easy", "lambada_openai"}
+    assert ("B keeps" in out) == bool(kept["informative"]) and ("clear of chance" in out) != bool(kept["informative"])
     gen = [m["generation"] for m in data["models"]]  # beside accuracy: 9 prompts of 32 fit in the 300 tokens
     assert all(0 <= g["repeated"] <= 1 and len(g["per_prompt"]) == 9 for g in gen)
     assert gen[0]["diff"] is None and (gen[1]["diff"], gen[1]["diff_se"]) == pytest.approx(
@@ -407,3 +411,29 @@ def test_bench_tasks_writes_the_result_file(models, task_data, tmp_path, capsys)
                                                                 - arc["models"]["dense"]["acc"]["value"])
     assert str(dense.parent) not in out.read_text() and "wrote" in capsys.readouterr().out
     assert s["task_answers_reused"] == [0, 0] and len(list((tmp_path / "kept").glob("*.jsonl"))) == 2
+
+
+def test_retention_line_in_the_report_and_the_card(tmp_path):
+    """The pooled retention as `eval --tasks` prints it (80 columns) and the card states it."""
+    from rich.console import Console
+
+    from moeify.card import _task_lines
+    from moeify.report import print_retention
+
+    r = {"informative_ses": 3, "informative": ["arc_easy", "piqa"],
+         "tasks": {"arc_easy": {"metric": "acc", "chance": 0.25, "informative": True},
+                   "piqa": {"metric": "acc_norm", "chance": 0.5, "informative": True},
+                   "boolq": {"metric": "acc", "chance": 0.62, "informative": False}},
+         "models": [{"path": "moe", "retention": 0.8123, "retention_se": 0.0114, "margin_kept": 0.5432,
+                     "margin_kept_se": 0.0301, "tasks": {"arc_easy": {}, "piqa": {}}}]}
+    console = Console(width=80, record=True)
+    print_retention(console, r, ["dense", "moe"])
+    text = console.export_text()
+    assert all(len(line) <= 80 for line in text.splitlines())
+    text = " ".join(text.split())  # as read, whatever the wrapping
+    assert "moe keeps 81.2% ± 1.1% of dense's accuracy (its margin above chance: 54.3% ± 3.0%)" in text
+    assert "arc_easy acc, piqa acc_norm" in text and "left out as no better than chance: boolq" in text
+    ev = {"models": [{"name": "dense"}, {"name": "moe"}],
+          "tasks": {"lm_eval": "0.4.13", "limit": 1000, "rows": [], "retention": r["models"][0]}}
+    assert ("- Retention: moe keeps 81.2% ± 1.1% of dense's accuracy, 54.3% ± 3.0% of its margin above chance "
+            "(mean over arc_easy, piqa; paired standard errors).") in _task_lines(ev)
