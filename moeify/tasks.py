@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 
 from . import loglik
 from .errors import MoeifyError
-from .evaluation import kept_share, mean_and_se, paired_difference, pooled
+from .stats import kept_share, mean_and_se, paired_difference, pooled
 from .text import first_line
 
 BUNDLED = ("arc_easy", "arc_challenge", "piqa", "hellaswag", "boolq", "lambada_openai")

@@ -14,7 +14,7 @@ from conftest import build_dense, corpus_text
 from moeify import loglik
 from moeify.config import build_config
 from moeify.conversion import plan_conversion, run_conversion
-from moeify.evaluation import kept_share, mean_and_se, pooled
+from moeify.stats import kept_share, mean_and_se, pooled
 
 WORDS = corpus_text(4000).split()
 
