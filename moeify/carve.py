@@ -74,7 +74,8 @@ def carve_calibrated(x: torch.Tensor, gate, up, down, norm_weight, cfg, stats=No
     n_shared = shared_count(gate.shape[0], cfg.experts, cfg.shared)
     if cfg.method in STATS_METHODS:
         part = partition_from_stats(cfg.method, stats, n_experts=cfg.experts, n_shared=n_shared, seed=cfg.seed,
-                                    kmeans_iters=cfg.kmeans_iters, device=x.device)
+                                    kmeans_iters=cfg.kmeans_iters, device=x.device,
+                                    down_norms=down.norm(dim=0).cpu() if cfg.shared_by == "contribution" else None)
     else:
         part = partition_neurons(cfg.method, gate.cpu(), up.cpu(), down.cpu(), n_experts=cfg.experts,
                                  n_shared=n_shared, seed=cfg.seed, kmeans_iters=cfg.kmeans_iters, device=x.device)

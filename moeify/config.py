@@ -23,6 +23,7 @@ BUNDLED_CALIB = Path(__file__).resolve().parent / "data" / "calib_sample.txt"  #
 BUNDLED_TEXT = "bundled:"  # how a recipe names a text moeify ships: bundled:calib_sample.txt (moeify/data/)
 TEXT_KEYS = ("calib", "tune_text", "stats")  # settings that name files: a recipe names them portably (recipe_name)
 FEEDS = ("dense", "moe", "corrected")
+SHARED_BY = ("rate", "contribution")  # how a calibrated partition picks the shared expert's neurons
 DEVICES = ("auto", "cpu", "cuda")
 FORMATS = ("auto", "mixtral", "qwen2_moe", "qwen3_moe")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -36,6 +37,8 @@ class ConvertConfig:
     experts: int = 8  # routed experts per layer
     top_k: int = 2  # routed experts active per token
     shared: int = 0  # always-on width, in units of one expert
+    shared_by: str = "rate"  # the shared expert's neurons (calibrated partitions): rate, the most often active
+    # (CMoE); contribution, the largest mean |activation| x ||W_down[:, i]|| (each neuron's share of the output)
     method: str = "gate-cluster"  # how neurons are grouped into experts
     router: str = "representative"  # how router rows are built
     format: str = "auto"  # mixtral | qwen2_moe | qwen3_moe | auto (mixtral unless shared experts / dense layers need
@@ -127,6 +130,7 @@ class ConvertConfig:
         _check_choice("format", self.format, FORMATS)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("calib_feed", self.calib_feed, FEEDS)
+        _check_choice("shared_by", self.shared_by, SHARED_BY)
         _check_choice("device", self.device, DEVICES)
         if self.needs_calibration and not self.calib:
             what = ("--method " + self.method if self.method in CALIB_METHODS else "--router fitted"

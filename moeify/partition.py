@@ -308,10 +308,12 @@ def partition_neurons(method: str, gate: torch.Tensor, up: torch.Tensor, down: t
 
 
 def partition_from_stats(method: str, stats, *, n_experts: int, n_shared: int, seed: int,
-                         kmeans_iters: int = 8, device=None) -> Partition:
+                         kmeans_iters: int = 8, device=None, down_norms: torch.Tensor | None = None) -> Partition:
     """Calibrated partition of one FFN from its NeuronStats.
 
-    Shared neurons are the most often active ones (activation rate, as CMoE; mean |activation| breaks ties).
+    Shared neurons are the most often active ones (activation rate, as CMoE; mean |activation| breaks ties); with
+    down_norms (‖W_down[:, i]‖ per neuron), those with the largest mean |activation| × ‖W_down[:, i]‖ instead: each
+    neuron's share of the layer's output (shared_by = "contribution").
     `activation`: balanced k-means of the routed neurons' binary activation patterns over calibration tokens.
     `coactivation`: balanced k-means of their |activation| profiles, so the cosine between two neurons is their
     normalised co-activation (MoEfication-style grouping of neurons that fire together).
@@ -319,6 +321,8 @@ def partition_from_stats(method: str, stats, *, n_experts: int, n_shared: int, s
     d_ff = stats.rate.numel()
     # rate first, mean |activation| as a tie-breaker (scaled below the smallest rate step)
     score = stats.rate.double() + stats.mean_abs.double() / (stats.mean_abs.double().max() + 1e-30) * 1e-6
+    if down_norms is not None:
+        score = stats.mean_abs.double() * down_norms.double().to(score.device)
     shared, routed = split_shared(score, n_shared)
     feats = {"activation": stats.pattern, "coactivation": stats.profile}.get(method)
     if feats is None:

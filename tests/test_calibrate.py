@@ -64,6 +64,7 @@ from moeify.calibrate import NeuronStats  # noqa: E402
 from moeify.compensate import refit_down, routing_mask  # noqa: E402
 from moeify.config import build_config  # noqa: E402
 from moeify.conversion import plan_conversion, run_conversion  # noqa: E402
+from moeify.errors import MoeifyError  # noqa: E402
 from moeify.partition import Partition, partition_from_stats  # noqa: E402
 from moeify.router import fit_router, topk_agreement  # noqa: E402
 
@@ -81,6 +82,30 @@ def test_partition_from_stats_shared_are_most_active_and_groups_coactive():
         assert sorted(part.perm.tolist()) == list(range(12))
         groups = sorted(tuple(part.expert_neurons(e).tolist()) for e in range(5))
         assert groups == [(2, 3), (4, 5), (6, 7), (8, 9), (10, 11)]
+
+
+def test_shared_by_contribution_takes_the_largest_activation_times_down_norm():
+    """shared_by = "contribution": the shared neurons are those with the largest mean |activation| x ||W_down[:, i]||,
+    not the most often active: here neurons 0 and 1 fire always but write almost nothing, 6 and 9 carry the output."""
+    pattern = torch.zeros(12, 10)
+    pattern[0:2] = 1
+    for pair in range(5):
+        pattern[2 + 2 * pair: 4 + 2 * pair, 2 * pair: 2 * pair + 2] = 1
+    stats = NeuronStats(rate=pattern.mean(1), mean_abs=pattern.mean(1), pattern=pattern, profile=pattern)
+    norms = torch.ones(12)
+    norms[0:2], norms[6], norms[9] = 0.01, 8.0, 9.0
+    part = partition_from_stats("activation", stats, n_experts=5, n_shared=2, seed=0, down_norms=norms)
+    assert part.shared_neurons.tolist() == [6, 9] and sorted(part.perm.tolist()) == list(range(12))
+    assert partition_from_stats("activation", stats, n_experts=5, n_shared=2, seed=0).shared_neurons.tolist() == [0, 1]
+
+
+def test_shared_by_contribution_all_experts_active_is_exact(tmp_path, calib_model):
+    cfg = build_config(experts=3, top_k=3, shared=1, shared_by="contribution", gate_tolerance=1e-6, **CALIB)
+    run_conversion(plan_conversion(calib_model, cfg), tmp_path / "moe")
+    assert max_logit_diff(calib_model, tmp_path / "moe") <= 1e-4
+    assert 'shared_by = "contribution"' in (tmp_path / "moe" / "moeify.toml").read_text()  # the recipe repeats it
+    with pytest.raises(MoeifyError, match="shared-by 'often' is not one of: rate, contribution"):
+        build_config(experts=3, top_k=1, shared_by="often", **CALIB)
 
 
 def test_fit_router_recovers_linear_norm_ranking():
