@@ -171,7 +171,7 @@ def evaluate(models: Sequence[str | Path], data: str | Path | None = None, *, ta
     ± paired SE), and generation health (each model's .generation) unless generation=False. A task is looked up in
     task_dir (lm-eval task YAMLs), then among the six bundled definitions over the files in task_data (or
     $MOEIFY_TASK_DATA), then in lm-eval's registry (data from the Hub). limit: the first N items of each task;
-    task_batch_size: log-likelihood requests per forward. task_cache: a folder where each model's answers are kept as
+    task_batch_size: contexts (with their choices) per forward. task_cache: a folder where each model's answers are kept as
     they are computed (moeify.tasks.AnswerCache): an interrupted run resumes there, a model scored before is not
     scored again.
     Each moeify output among the others records its numbers beside the first model's in its card (OUT/README.md,
