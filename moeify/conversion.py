@@ -31,7 +31,7 @@ from .families import (TOKENIZER_FILES, SourceModel, attention_infos, check_sour
                        ffn_tensor_names, load_source, target_config)
 from .partition import valid_expert_counts
 from .writer import (LOCK_NAME, BackgroundWriter, ShardLayout, ShardWriter, check_free_space, check_output_path,
-                     check_written, commit_output, prepare_output, write_attention, write_head)
+                     check_written, commit_output, output_errors, prepare_output, write_attention, write_head)
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
@@ -248,7 +248,22 @@ def run_conversion(plan: ConversionPlan, out: str | Path, *, overwrite: bool = F
     spill = src.n_layers * src.hidden * src.d_ff * plan.out_dtype.itemsize if plan.cfg.compensate else 0
     # tuning holds the carve and writes the tuned output beside it
     check_free_space(out, plan.output_bytes * (2 if tune else 1) + spill, overwrite)
-    tmp = prepare_output(out, overwrite, src.path)
+    with output_errors(out):
+        tmp = prepare_output(out, overwrite, src.path)
+        plan, report = _write_carve(plan, out, tmp, tune, progress)
+    if tune:
+        release_memory()
+        report = tune_output(src.path, out, options_from_config(plan.cfg), base=state_dir(out) / "carved",
+                             device=plan.cfg.device, progress=progress, memory_check=False)  # checked above
+    return report
+
+
+def _write_carve(plan: ConversionPlan, out: Path, tmp: Path, tune: bool,
+                 progress: Progress | None) -> tuple[ConversionPlan, dict]:
+    """Carve into the temporary directory `tmp` and move it into place (OUT, or the tuning's carved base); on any
+    failure remove it. Returns the plan (its dense layers fixed by calibration) and the report."""
+    from .tuning import state_dir
+
     t0 = time.time()
     writer = None
     try:
@@ -275,18 +290,13 @@ def run_conversion(plan: ConversionPlan, out: str | Path, *, overwrite: bool = F
             tmp.rename(carved_dir)
         else:
             commit_output(tmp, out)
+        return plan, report
     except BaseException:
         if writer is not None:
             writer.abort()
         plan.reader.close()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if tune:
-        del carved
-        release_memory()
-        report = tune_output(src.path, out, options_from_config(plan.cfg), base=state_dir(out) / "carved",
-                             device=plan.cfg.device, progress=progress, memory_check=False)  # checked above
-    return report
 
 
 WRITE_AHEAD_BYTES = 512 << 20  # output bytes queued for the writer thread while the next layer is carved

@@ -31,7 +31,7 @@ from .families import (TOKENIZER_FILES, SourceModel, attention_infos, check_sour
 from .router import SHARED_GATE_MIN
 from .version import __version__
 from .writer import (BackgroundWriter, ShardLayout, ShardWriter, check_free_space, check_output_path, check_written,
-                     commit_output, prepare_output, write_attention, write_head)
+                     commit_output, output_errors, prepare_output, write_attention, write_head)
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 FORMATS = ("auto", "mixtral", "qwen2_moe", "qwen3_moe")
@@ -363,7 +363,14 @@ def run_upcycle(plan: UpcyclePlan, out: str | Path, *, overwrite: bool = False, 
                           "plan it with its weights (weights=True)")
     check_output_path(out, overwrite, src.path)
     check_free_space(out, plan.output_bytes, overwrite)
-    tmp = prepare_output(out, overwrite, src.path)
+    with output_errors(out):
+        tmp = prepare_output(out, overwrite, src.path)
+        return _write_output(plan, out, tmp, progress, check_ids)
+
+
+def _write_output(plan: UpcyclePlan, out: Path, tmp: Path, progress: Progress | None,
+                  check_ids: torch.Tensor | None) -> dict:
+    """Write into the temporary directory `tmp`, check it, move it into place; on any failure remove it."""
     t0 = time.time()
     writer = None
     try:

@@ -15,6 +15,7 @@ import shutil
 import socket
 import struct
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,14 +153,25 @@ class ShardWriter:
                 f"writer got {name} {tuple(tensor.shape)} {tensor.dtype}, plan expects "
                 f"{expected.name} {expected.shape} {expected.dtype}"
             )
-        if self._fh is None or self._next >= self._file_end:
-            self._start_next_file()
-        data = tensor.detach().to("cpu").contiguous().reshape(-1)
-        if data.numel():  # the tensor's own buffer, no bytes copy; chunks keep each write() call bounded
-            buf = memoryview(data.view(torch.uint8).numpy())
-            for start in range(0, len(buf), WRITE_CHUNK):
-                self._fh.write(buf[start:start + WRITE_CHUNK])
+        with self._naming_the_shard():
+            if self._fh is None or self._next >= self._file_end:
+                self._start_next_file()
+            data = tensor.detach().to("cpu").contiguous().reshape(-1)
+            if data.numel():  # the tensor's own buffer, no bytes copy; chunks keep each write() call bounded
+                buf = memoryview(data.view(torch.uint8).numpy())
+                for start in range(0, len(buf), WRITE_CHUNK):
+                    self._fh.write(buf[start:start + WRITE_CHUNK])
         self._next += 1
+
+    @contextmanager
+    def _naming_the_shard(self):
+        """An OSError of a write to an open file (ENOSPC, EIO) names no file: give it the shard's path."""
+        try:
+            yield
+        except OSError as exc:
+            if exc.filename is None and self._file_idx >= 0:
+                exc.filename = str(self.out_dir / self.names[self._file_idx])
+            raise
 
     def _start_next_file(self) -> None:
         self._close_file()
@@ -185,7 +197,8 @@ class ShardWriter:
     def finish(self) -> None:
         if self._next != len(self.order):
             raise RuntimeError(f"writer finished after {self._next} of {len(self.order)} planned tensors")
-        self._close_file()
+        with self._naming_the_shard():
+            self._close_file()
         if len(self.names) > 1:
             weight_map = {t.name: self.names[i] for i, f in enumerate(self.layout.files) for t in f}
             index = {"metadata": {"total_size": self.layout.total_bytes()}, "weight_map": weight_map}
@@ -391,7 +404,11 @@ def prepare_output(out: Path, overwrite: bool, src: Path | None = None) -> Path:
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     lock = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "output": str(out)}
-    (tmp / LOCK_NAME).write_text(json.dumps(lock) + "\n")
+    try:
+        (tmp / LOCK_NAME).write_text(json.dumps(lock) + "\n")
+    except BaseException:
+        discard_output(tmp)
+        raise
     return tmp
 
 
@@ -472,8 +489,66 @@ def commit_output(tmp: Path, out: Path) -> None:
         if old.exists():
             shutil.rmtree(old)
         out.rename(old)
-        tmp.rename(out)
+        try:
+            tmp.rename(out)
+        except BaseException:
+            old.rename(out)  # the earlier output back in place
+            raise
         shutil.rmtree(old)
     else:
         tmp.rename(out)
     _fsync_dir(out.parent)
+
+
+# ------------------------------------------------------------------------------- OS errors on the output side
+
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}  # raised by writes only, never by a read
+OUTPUT_ERRORS = {  # errno: (what went wrong, what to do)
+    errno.ENOSPC: ("no space left on the device", "free some space or write the output to another disk"),
+    errno.EDQUOT: ("the disk quota is used up", "free some space or write the output to another disk"),
+    errno.EFBIG: ("a file grew larger than the file system allows",
+                  "pass a smaller --max-shard-size, or write the output to another disk"),
+    errno.EROFS: ("the file system is read-only", "write the output to another disk"),
+    errno.EACCES: ("permission denied", "choose a folder you can write to, or get write permission on it"),
+    errno.EPERM: ("permission denied", "choose a folder you can write to, or get write permission on it"),
+}
+
+
+@contextmanager
+def output_errors(out: str | Path):
+    """An OSError while OUT is prepared, written and committed becomes one MoeifyError naming the path and what to
+    do; the caller inside has removed what it wrote by then. One of another path (a source file) passes through."""
+    try:
+        yield
+    except OSError as exc:
+        if not _on_output_side(Path(out), exc):
+            raise
+        raise output_error(Path(out), exc) from exc
+
+
+def _on_output_side(out: Path, exc: OSError) -> bool:
+    if exc.errno in WRITE_ERRNOS:
+        return True
+    out = Path(os.path.abspath(out))
+    return any(_is_output_path(out, name) for name in (exc.filename, exc.filename2) if name is not None)
+
+
+def _is_output_path(out: Path, name) -> bool:
+    """OUT, a parent of it, or inside OUT or one of its siblings OUT.moeify-* (partial, old, tune)."""
+    path = Path(os.path.abspath(os.fsdecode(name)))
+    if path in out.parents:
+        return True
+    top = path.relative_to(out.parent).parts[:1] if path.is_relative_to(out.parent) else ()
+    return bool(top) and (top[0] == out.name or top[0].startswith(out.name + ".moeify-"))
+
+
+def output_error(out: Path, exc: OSError) -> MoeifyError:
+    """The one-line error of an OSError on OUT's side: what failed, where, and what to do."""
+    where = os.fsdecode(exc.filename) if exc.filename is not None else str(out)
+    if exc.errno == errno.ENOTDIR:
+        blocker = next((p for p in reversed(Path(os.path.abspath(out)).parents) if p.exists() and not p.is_dir()),
+                       None)
+        return MoeifyError(f"the output {out} cannot be created: {blocker or where} is a file, not a directory",
+                           "choose an output path whose parent folders are directories")
+    what, hint = OUTPUT_ERRORS.get(exc.errno, (exc.strerror or str(exc), "check the output path and its disk"))
+    return MoeifyError(f"the output {out} could not be written: {what} ({where})", hint)

@@ -1,0 +1,149 @@
+"""OS errors on the output side of `convert`, `upcycle` and `merge`, injected: an output whose parent is a file, no
+permission to create or rename into place, the disk filling in the middle of a shard. Each is one `error:` line
+naming the path and what to do, exit code 2, and nothing left behind (neither OUT nor OUT.moeify-partial; with
+--overwrite the earlier OUT as it was). Permission is injected by monkeypatching the call (the tests run as root,
+where chmod takes nothing away)."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from conftest import build_dense, tree_hash
+from moeify.checkpoint import PARTIAL_SUFFIX
+from moeify.cli import app
+from moeify.errors import MoeifyError
+from moeify.writer import ShardWriter, output_errors
+from test_reliability import assert_refused
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: one thread is faster than two on a busy machine, and every run here is a few of them."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory, tokenizer_dir) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("sources")
+    return build_dense(root / "a", tokenizer_dir), build_dense(root / "b", tokenizer_dir, seed=1)
+
+
+COMMANDS = {  # the command line that writes `out` from the sources (a, b)
+    "convert": lambda out, a, b: ["convert", a, out, "-n", "4", "-k", "2", "--weight-only"],
+    "upcycle": lambda out, a, b: ["upcycle", a, out, "--copies", "2", "--top-k", "2", "--check-tokens", "128"],
+    "merge": lambda out, a, b: ["merge", out, a, b],
+}
+
+
+def run(command: str, out: Path, sources, *extra):
+    return CliRunner().invoke(app, [str(a) for a in (*COMMANDS[command](out, *sources), *extra)])
+
+
+def listing(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def refuse_for_partial(monkeypatch, method: str) -> None:
+    """Path.<method> (mkdir, rename) on OUT.moeify-partial raises PermissionError, as a parent without write
+    permission does for a user who is not root; on any other path it does what it does."""
+    real = getattr(Path, method)
+
+    def refused(self, *args, **kwargs):
+        if self.name.endswith(PARTIAL_SUFFIX):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self), *map(str, args[:1]))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, method, refused)
+
+
+class FullDisk:
+    """A shard file on a disk with `room` bytes left: a write stores what fits, then raises ENOSPC."""
+
+    def __init__(self, fh, room: int):
+        self.fh, self.room = fh, room
+
+    def write(self, data) -> None:
+        data = memoryview(data).cast("B")
+        fits = min(len(data), self.room)
+        self.fh.write(data[:fits])
+        self.room -= fits
+        if fits < len(data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name):
+        return getattr(self.fh, name)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_an_output_under_a_file(command, tmp_path, sources):
+    (tmp_path / "file").write_text("not a folder")
+    out = tmp_path / "file" / "out"
+    line = assert_refused(run(command, out, sources), str(out), f"{tmp_path / 'file'} is a file, not a directory",
+                          "choose an output path")
+    assert "Errno" not in line
+    assert listing(tmp_path) == ["file"] and (tmp_path / "file").read_text() == "not a folder"
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_no_permission_to_create_the_output(command, tmp_path, sources, monkeypatch):
+    refuse_for_partial(monkeypatch, "mkdir")
+    out = tmp_path / "out"
+    assert_refused(run(command, out, sources), str(out), "permission denied", str(out) + PARTIAL_SUFFIX,
+                   "choose a folder you can write to")
+    assert listing(tmp_path) == []
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_no_permission_to_rename_the_output_into_place(command, tmp_path, sources, monkeypatch):
+    refuse_for_partial(monkeypatch, "rename")
+    out = tmp_path / "out"
+    assert_refused(run(command, out, sources), str(out), "permission denied", "choose a folder you can write to")
+    assert listing(tmp_path) == []
+
+
+def test_a_failed_rename_over_an_earlier_output_puts_it_back(tmp_path, sources, monkeypatch):
+    out = tmp_path / "out"
+    assert run("convert", out, sources).exit_code == 0
+    before, names = tree_hash(out), listing(tmp_path)
+    refuse_for_partial(monkeypatch, "rename")
+    assert_refused(run("convert", out, sources, "-n", "2", "--overwrite"), str(out), "permission denied")
+    assert tree_hash(out) == before and listing(tmp_path) == names  # no OUT.moeify-old, no OUT.moeify-partial
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_the_disk_filling_mid_shard(command, tmp_path, sources, monkeypatch):
+    real, written = ShardWriter._open, []
+
+    def nearly_full(self, path):
+        written.append(path)
+        return FullDisk(real(self, path), room=20_000)  # the header and a few tensors: the shard is larger
+
+    monkeypatch.setattr(ShardWriter, "_open", nearly_full)
+    out = tmp_path / "out"
+    shard = out.with_name(out.name + PARTIAL_SUFFIX) / "model.safetensors"  # where the disk filled, named
+    assert_refused(run(command, out, sources), str(out), "no space left on the device", str(shard),
+                   "free some space or write the output to another disk")
+    assert written and listing(tmp_path) == []
+
+
+def test_an_os_error_of_another_path_is_not_the_outputs(tmp_path):
+    """A source's read error inside the output's write passes through as it is (not blamed on the output), as does
+    one of a sibling whose name only begins like OUT's; OUT's parent, OUT and OUT.moeify-* are the output's."""
+    out = tmp_path / "out"
+    for other in (tmp_path / "src" / "model.safetensors", tmp_path / "out2" / "x", tmp_path / "outer.moeify-partial"):
+        error = OSError(errno.EIO, os.strerror(errno.EIO), str(other))
+        with pytest.raises(OSError) as raised, output_errors(out):
+            raise error
+        assert raised.value is error
+    for own in (tmp_path, out / "config.json", tmp_path / "out.moeify-old" / "x", tmp_path / "out.moeify-tune"):
+        with pytest.raises(MoeifyError, match="could not be written: Input/output error"), output_errors(out):
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(own))
