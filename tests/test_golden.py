@@ -12,12 +12,16 @@ dtype, shape and bytes, in name order, read from the file's own header), config.
 moeify.toml. report.json is not: it holds absolute paths, wall-clock seconds and measured memory peaks, and what it
 records of the run is repeated in the card and moeify.toml.
 
-Normalised before hashing (README.md and moeify.toml only; found by running the set twice in different folders, at
-one thread and at two): the moeify version (`moeify 0.1.0`, `moeify_version = "0.1.0"`: it changes with every
-release, not with the code's output) and `seconds = ...` lines (a tuning or training run's wall-clock time). Nothing
-else changed between runs: the outputs name their sources by folder name, not by path, and every tensor, every KL
-and logit difference a card reports came out bit-identical. The builds run on one thread (as `make test`'s workers
-do), so a machine's core count does not enter; at two threads the bytes were the same.
+Normalised before hashing (README.md and moeify.toml only; found by running the set twice in different folders):
+the moeify version (`moeify 0.1.0`, `moeify_version = "0.1.0"`: it changes with every release, not with the code's
+output) and `seconds = ...` lines (a tuning or training run's wall-clock time). Nothing else changed between runs:
+the outputs name their sources by folder name, not by path, and every tensor, every KL and logit difference a card
+reports came out bit-identical.
+
+The builds run on one thread (as `make test`'s workers do on 2 cores), because one output depends on the thread
+count: `train` is bit-identical from run to run at a given count, but its weights (and so its card's perplexity)
+differ between one thread and two (the order of float sums in its training steps). Every other output came out the
+same at one thread and at two.
 
 A mismatch names the output and the files that differ. When a change to an output is intended, regenerate the file
 on purpose and say why in the commit:
