@@ -140,8 +140,9 @@ def print_retention(console: Console, r: dict | None, labels: list[str]) -> None
         if "retention" not in m:
             console.print(f"retention: no task where {labels[0]} is clear of chance", highlight=False)
             continue
+        vs = f"; {m['vs_first']:+.1%} ± {m['vs_first_se']:.1%} against {labels[1]}" if "vs_first" in m else ""
         console.print(f"[bold]{label}[/] keeps {m['retention']:.1%} ± {m['retention_se']:.1%} of {labels[0]}'s "
-                      f"accuracy (its margin above chance: {m['margin_kept']:.1%} ± {m['margin_kept_se']:.1%})",
+                      f"accuracy (its margin above chance: {m['margin_kept']:.1%} ± {m['margin_kept_se']:.1%}){vs}",
                       highlight=False)
     read = ", ".join(f"{n} {t['metric']}" for n, t in r["tasks"].items() if t["informative"])
     console.print(f"[dim]retention: mean over the tasks where {labels[0]} is {r['informative_ses']} SEs above chance ({read}) of "

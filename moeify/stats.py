@@ -42,6 +42,19 @@ def kept_share(reference: Sequence[float], other: Sequence[float],
     return r, mean_and_se([((b - ci) - r * (a - ci)) / base for a, b, ci in zip(reference, other, c)])[1]
 
 
+def kept_share_difference(reference: Sequence[float], first: Sequence[float],
+                          other: Sequence[float]) -> tuple[float, float]:
+    """How much more of `reference`'s accuracy `other` keeps than `first` on the same items: (mean(other) −
+    mean(first)) / mean(reference), and its paired SE by the delta method (influence (o − f − d · a) / mean(a))."""
+    if not len(reference) == len(first) == len(other) or not reference:
+        raise ValueError("kept_share_difference needs the same items")
+    base = math.fsum(reference) / len(reference)
+    if base <= 0:
+        raise ValueError("kept_share_difference: the reference scores nothing on these items")
+    d = math.fsum(o - f for f, o in zip(first, other)) / len(other) / base
+    return d, mean_and_se([(o - f - d * a) / base for a, f, o in zip(reference, first, other)])[1]
+
+
 def pooled(shares: Sequence[tuple[float, float]]) -> tuple[float, float]:
     """The mean of independent estimates (value, SE) and its SE: sqrt(Σ SE²) / n."""
     if not shares:
@@ -50,4 +63,4 @@ def pooled(shares: Sequence[tuple[float, float]]) -> tuple[float, float]:
             math.sqrt(math.fsum(se * se for _, se in shares)) / len(shares))
 
 
-__all__ = ["mean_and_se", "paired_difference", "kept_share", "pooled"]
+__all__ = ["mean_and_se", "paired_difference", "kept_share", "kept_share_difference", "pooled"]

@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 
 from . import loglik
 from .errors import MoeifyError
-from .stats import kept_share, mean_and_se, paired_difference, pooled
+from .stats import kept_share, kept_share_difference, mean_and_se, paired_difference, pooled
 from .text import first_line
 
 BUNDLED = ("arc_easy", "arc_challenge", "piqa", "hellaswag", "boolq", "lambada_openai")
@@ -384,25 +384,31 @@ def retention(loaded: LoadedTasks, models: list[ModelTasks]) -> dict:
         per_task[name] = {"metric": metric, "chance": chance, "informative": value > chance and value - chance >= INFORMATIVE_SES * se}
         if per_task[name]["informative"]:
             informative.append(name)
-    out = []
-    for m in models[1:]:
-        tasks = {}
-        for name, t in per_task.items():
-            if not t["informative"]:
-                continue
-            ids = sorted(ref.items[name][t["metric"]])
-            a = [ref.items[name][t["metric"]][i] for i in ids]
-            b = [m.items[name][t["metric"]][i] for i in ids]
-            c = [ref.chance[name][i] for i in ids]
-            (r, r_se), (k, k_se) = kept_share(a, b), kept_share(a, b, c)
-            tasks[name] = {"retention": r, "retention_se": r_se, "margin_kept": k, "margin_kept_se": k_se}
-        entry: dict = {"path": m.path, "tasks": tasks}
-        if tasks:
-            (r, r_se), (k, k_se) = (pooled([(t[key], t[key + "_se"]) for t in tasks.values()])
-                                    for key in ("retention", "margin_kept"))
-            entry.update(retention=r, retention_se=r_se, margin_kept=k, margin_kept_se=k_se)
-        out.append(entry)
+    out = [_kept(ref, m, models[1] if m is not models[1] else None, per_task) for m in models[1:]]
     return {"tasks": per_task, "informative": informative, "informative_ses": INFORMATIVE_SES, "models": out}
+
+
+def _kept(ref: ModelTasks, m: ModelTasks, first: ModelTasks | None, per_task: dict) -> dict:
+    """One model's retention of `ref`'s accuracy, per informative task and pooled; with `first` (the first model
+    compared), also the difference to its retention on the same items ± the paired SE (a lever against a baseline,
+    a seed against its twin)."""
+    tasks = {}
+    for name, t in per_task.items():
+        if not t["informative"]:
+            continue
+        ids = sorted(ref.items[name][t["metric"]])
+        a, b = ([x.items[name][t["metric"]][i] for i in ids] for x in (ref, m))
+        c = [ref.chance[name][i] for i in ids]
+        (r, r_se), (k, k_se) = kept_share(a, b), kept_share(a, b, c)
+        tasks[name] = {"retention": r, "retention_se": r_se, "margin_kept": k, "margin_kept_se": k_se}
+        if first is not None:
+            tasks[name]["vs_first"], tasks[name]["vs_first_se"] = kept_share_difference(
+                a, [first.items[name][t["metric"]][i] for i in ids], b)
+    entry: dict = {"path": m.path, "tasks": tasks}
+    keys = ("retention", "margin_kept") + (("vs_first",) if first is not None else ())
+    for key in keys if tasks else ():
+        entry[key], entry[key + "_se"] = pooled([(t[key], t[key + "_se"]) for t in tasks.values()])
+    return entry
 
 
 def _metric_entry(metric: str, ref: list[float], values: list[float], is_ref: bool) -> dict:

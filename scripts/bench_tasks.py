@@ -84,8 +84,9 @@ def print_table(s: dict) -> None:
             print(f"{task:15} {metric:10} " + " ".join(f"{c:>22}" for c in cells))
     for name, m in s["retention"]["models"].items():
         if "retention" in m:
+            vs = (f"; {m['vs_first']:+.1%} ± {m['vs_first_se']:.1%} against {names[1]}" if "vs_first" in m else "")
             print(f"{name}: retention {m['retention']:.1%} ± {m['retention_se']:.1%}, margin above chance kept "
-                  f"{m['margin_kept']:.1%} ± {m['margin_kept_se']:.1%} ({', '.join(m['tasks'])})")
+                  f"{m['margin_kept']:.1%} ± {m['margin_kept_se']:.1%} ({', '.join(m['tasks'])}){vs}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -169,3 +169,23 @@ def test_retention_pools_the_informative_tasks():
     assert m["retention"] == pytest.approx(0.75) and m["margin_kept"] == pytest.approx(0.35 / 0.55)
     assert (m["retention"], m["retention_se"]) == pytest.approx(kept_share(list(good.values()),
                                                                            list(moe_t1.values())))
+    assert "vs_first" not in m
+    twin = ModelTasks("twin", items={"t1": {"acc": good, "acc_norm": good}, "t2": {"acc": near}}, chance=ref.chance)
+    r = retention(SimpleNamespace(names=["t1", "t2"]), [ref, moe, twin])
+    assert r["models"][1]["retention"] == pytest.approx(1.0)
+    assert r["models"][1]["vs_first"] == pytest.approx(0.25)  # keeps all of 0.8, the first model 0.6 of it
+
+
+def test_kept_share_difference_against_a_hand_computation():
+    from moeify.stats import kept_share_difference
+
+    a = [1, 1, 0, 1, 0, 1, 1, 0, 1, 1.0]
+    f = [1, 0, 0, 1, 1, 1, 0, 0, 1, 0.0]
+    o = [1, 1, 0, 1, 1, 0, 0, 0, 1, 0.0]
+    d, se = kept_share_difference(a, f, o)
+    assert d == pytest.approx(kept_share(a, o)[0] - kept_share(a, f)[0])  # 0.5/0.7 - 0.5/0.7 = 0
+    n, ma = len(a), sum(a) / len(a)
+    infl = [(oi - fi - d * ai) / ma for ai, fi, oi in zip(a, f, o)]
+    m = sum(infl) / n
+    assert se == pytest.approx(math.sqrt(sum((x - m) ** 2 for x in infl) / (n - 1) / n)) and se > 0
+    assert kept_share_difference(a, f, f) == (0.0, 0.0)
