@@ -15,6 +15,7 @@ and LAMBADA's one request an item gain the head alone.
                       ──► (sum of the continuation's log-probabilities, whether greedy decoding gives it)
 
 The numbers equal a separate row per choice up to floating-point order (tested against lm-eval's own HFLM path).
+A model with a sliding window (Mistral) gets rows no longer than the window, the context cut from the left.
 """
 
 from __future__ import annotations
@@ -165,6 +166,9 @@ def score(model, pairs: Sequence[Pair], max_length: int, max_rows: int = 16, max
           done: Callable[[list[int], list[tuple[float, bool]]], None] | None = None) -> list[tuple[float, bool]]:
     """(log-likelihood, greedy) of each (context, continuation) pair under the already-loaded causal LM `model`.
     done(indices, answers) is called after each forward with the requests it answered (progress, a cache)."""
+    window = getattr(model.config, "sliding_window", None)  # a given 4D mask has no window: rows stay within it
+    if window and getattr(model.config, "use_sliding_window", True):
+        max_length = min(max_length, int(window))
     answers: list[tuple[float, bool] | None] = [None] * len(pairs)
     with experts_for_scoring(model):
         for batch in batches(pack(pairs, max_length), max_rows, max_tokens):

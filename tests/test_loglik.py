@@ -189,3 +189,17 @@ def test_kept_share_difference_against_a_hand_computation():
     m = sum(infl) / n
     assert se == pytest.approx(math.sqrt(sum((x - m) ** 2 for x in infl) / (n - 1) / n)) and se > 0
     assert kept_share_difference(a, f, f) == (0.0, 0.0)
+
+
+def test_a_sliding_window_bounds_the_rows(tmp_path, tokenizer_dir):
+    """A given 4D mask has no window: a Mistral's rows are cut to its window, so the packed scoring keeps to it."""
+    from transformers import AutoModelForCausalLM
+
+    src = build_dense(tmp_path / "mistral", tokenizer_dir, family="mistral", sliding_window=8)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    ctx, cont = list(range(3, 23)), [30, 31]
+    (got,) = loglik.score(model, [(ctx, cont)], max_length=64)
+    with torch.no_grad():  # the model itself over the last 8 - 2 + 1 context tokens and the continuation
+        ids = torch.tensor([ctx[-7:] + cont[:-1]])
+        logp = torch.log_softmax(model(ids).logits[0, -2:].float(), -1)
+    assert got[0] == pytest.approx(float(logp[0, 30] + logp[1, 31]), abs=1e-4)
