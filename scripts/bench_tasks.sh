@@ -13,11 +13,13 @@
 #                  floor), each task's first 1,000 items in bfloat16 (~12 min of carving + ~45 min of tasks)
 #   smollm2-contribution  the 50% preset with its shared expert chosen by contribution (shared_by), beside the
 #                  preset and its seed-1 twin (their answers cached by smollm2-1000: ~4 min carving + ~12 min)
+#   smollm2-active75  a 75% layout training-free beside both presets (~3 min carving + ~10 min of tasks)
 #   qwen05-1000    Qwen2.5-Coder-0.5B, the 50% preset and its seed-1 twin, first 1,000 items (~25 min of carving
 #                  + ~2 h of tasks)
 # Run it alone (nice is fine): tuning and scoring share nothing with other jobs but the cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+mkdir -p out/levers
 TASKS="--task-data ../shared/tasks --limit 100 --max-tokens 4096"
 carve() {  # SRC OUT PRESET [FLAGS...]: the training-free carve, unless it is there (PRESET: 50, 25 or a file)
   local preset=$3
@@ -25,7 +27,6 @@ carve() {  # SRC OUT PRESET [FLAGS...]: the training-free carve, unless it is th
   [ -f "$2/report.json" ] || .venv/bin/moeify convert "$1" "$2" --preset "$preset" --no-tune --overwrite "${@:4}"
 }
 lever() {  # PRESET KEY VALUE: out/levers/PRESET-KEY-VALUE.toml, the preset with one key set (a lever to measure)
-  mkdir -p out/levers
   { echo "$2 = \"$3\""; cat "configs/$1.toml"; } > "out/levers/$1-$2-$3.toml"
 }
 tuned() {  # SRC CARVE OUT TOKENS: the carve tuned on TOKENS, resumed if a run was interrupted
@@ -70,6 +71,13 @@ for step in ${*:-smollm2-262k}; do
       .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/smollm2-a50 out/smollm2-a50-seed1 \
         out/smollm2-a50-contribution --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
         --out results/quality/tasks-smollm2-contribution-1000.json ;;
+    smollm2-active75)  # a 75% layout (half of d_ff shared + top-12 of 24 routed on SmolLM2), beside the presets
+      sed -e 's/^active = 0.5$/active = 0.75/' -e 's/^shared = 0.25$/shared = 0.5/' configs/active-50.toml \
+        > out/levers/active-75.toml
+      carve models/smollm2-135m out/smollm2-a75 out/levers/active-75
+      .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/smollm2-a50 out/smollm2-a25 out/smollm2-a75 \
+        --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
+        --out results/quality/tasks-smollm2-active75-1000.json ;;
     qwen05-1000)
       carve models/qwen2.5-coder-0.5b out/qwen05-a50 50
       carve models/qwen2.5-coder-0.5b out/qwen05-a50-seed1 50 --seed 1
@@ -77,7 +85,7 @@ for step in ${*:-smollm2-262k}; do
         --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
         --out results/quality/tasks-qwen05-trainingfree-1000.json ;;
     *) echo "bench_tasks.sh: unknown step $step (smollm2-262k, qwen05-free, qwen05-262k, smollm2-1000," \
-         "smollm2-contribution, qwen05-1000)" >&2
+         "smollm2-contribution, smollm2-active75, qwen05-1000)" >&2
        exit 2 ;;
   esac
 done
