@@ -145,8 +145,8 @@ def print_retention(console: Console, r: dict | None, labels: list[str]) -> None
                       f"accuracy (its margin above chance: {m['margin_kept']:.1%} ± {m['margin_kept_se']:.1%}){vs}",
                       highlight=False)
     read = ", ".join(f"{n} {t['metric']}" for n, t in r["tasks"].items() if t["informative"])
-    console.print(f"[dim]retention: mean over the tasks where {labels[0]} is {r['informative_ses']} SEs above chance ({read}) of "
-                  f"accuracy / {labels[0]}'s; ± the paired SE"
+    console.print(f"[dim]retention: mean over the tasks where {labels[0]} is {r['informative_ses']} SEs above "
+                  f"chance ({read}) of accuracy / {labels[0]}'s; ± the paired SE"
                   + (f"; left out as no better than chance: {', '.join(left)}" if left else "") + ".[/]",
                   highlight=False)
 

@@ -367,7 +367,7 @@ def primary_metric(task: str, metrics) -> str | None:
 
 def retention(loaded: LoadedTasks, models: list[ModelTasks]) -> dict:
     """How much of the first model's accuracy each other model keeps: per task (its primary metric) the ratio of
-    accuracies and the share of the margin above chance kept, each ± its paired SE (evaluation.kept_share); pooled
+    accuracies and the share of the margin above chance kept, each ± its paired SE (stats.kept_share); pooled
     over the informative tasks (those where the first model is at least INFORMATIVE_SES standard errors above
     chance) as their mean ± sqrt(Σ SE²) / n."""
     ref = models[0]
@@ -381,7 +381,8 @@ def retention(loaded: LoadedTasks, models: list[ModelTasks]) -> dict:
         c = [ref.chance[name][i] for i in ids]
         value, se = mean_and_se(a)
         chance = math.fsum(c) / len(c)
-        per_task[name] = {"metric": metric, "chance": chance, "informative": value > chance and value - chance >= INFORMATIVE_SES * se}
+        clear = value > chance and value - chance >= INFORMATIVE_SES * se
+        per_task[name] = {"metric": metric, "chance": chance, "informative": clear}
         if per_task[name]["informative"]:
             informative.append(name)
     out = [_kept(ref, m, models[1] if m is not models[1] else None, per_task) for m in models[1:]]
