@@ -14,8 +14,8 @@
 #   smollm2-contribution  the 50% preset with its shared expert chosen by contribution (shared_by), beside the
 #                  preset and its seed-1 twin (their answers cached by smollm2-1000: ~4 min carving + ~12 min)
 #   smollm2-active75  a 75% layout training-free beside both presets (~3 min carving + ~10 min of tasks)
-#   qwen05-1000    Qwen2.5-Coder-0.5B, the 50% preset and its seed-1 twin, first 1,000 items (~25 min of carving
-#                  + ~2 h of tasks)
+#   qwen05-1000    Qwen2.5-Coder-0.5B, the 50% preset (its file written), then its seed-1 twin beside it, first
+#                  1,000 items (~25 min of carving + ~2 h of tasks)
 # Run it alone (nice is fine): tuning and scoring share nothing with other jobs but the cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -78,8 +78,11 @@ for step in ${*:-smollm2-262k}; do
       .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/smollm2-a50 out/smollm2-a25 out/smollm2-a75 \
         --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
         --out results/quality/tasks-smollm2-active75-1000.json ;;
-    qwen05-1000)
+    qwen05-1000)  # the dense model and the 50% preset first (their file written), then its --seed 1 twin beside them
       carve models/qwen2.5-coder-0.5b out/qwen05-a50 50
+      .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/qwen05-a50 \
+        --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
+        --out results/quality/tasks-qwen05-trainingfree-1000.json
       carve models/qwen2.5-coder-0.5b out/qwen05-a50-seed1 50 --seed 1
       .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/qwen05-a50 out/qwen05-a50-seed1 \
         --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
