@@ -302,24 +302,61 @@ def upcycle(src: str | Path, out: str | Path, *, copies: int = 8, granularity: i
                             check_tokens=check_tokens)
 
 
-def merge(sources: Sequence[str | Path], out: str | Path, *, base: str | Path | None = None, granularity: int = 1,
-          top_k: int | None = None, attention: str = "base", router_text: Sequence[str | Path] | None = None,
-          router_tokens: int = 2048, overwrite: bool = False, progress: Progress | None = None,
-          check_text: Sequence[str | Path] | None = None, check_tokens: int = 512, allow_pickle: bool = False,
-          force: bool = False, **settings) -> dict:
+def merge(sources: Sequence[str | Path] | None, out: str | Path, *, config: str | Path | None = None,
+          base: str | Path | None = None, granularity: int = 1, top_k: int | None = None, attention: str = "base",
+          gate_mode: str | None = None, router_text: Sequence[str | Path] | None = None, router_tokens: int = 2048,
+          overwrite: bool = False, progress: Progress | None = None, check_text: Sequence[str | Path] | None = None,
+          check_tokens: int = 512, allow_pickle: bool = False, force: bool = False, **settings) -> dict:
     """One MoE from several fine-tunes of one base (folders or Hub ids, same shapes and tokenizer): each source's FFN
     one expert (or `granularity` slices), top_k of them a token (default: 2 sources' worth); attention, norms and
-    embeddings the base's (default: the first source) or the sources' average (attention="average"). router_text:
-    one text file per source, in order: each layer's router rows from the base's router input on that text (else
-    random rows). settings: format, dtype, seed, symmetry (default none), targets, max_shard_size, router_std.
-    Returns report.json."""
+    embeddings the base's (default: the first source) or the sources' average (attention="average").
+    config: a mergekit-moe YAML (moeify.merge_config) naming the base, the sources, their prompts and the rest;
+    arguments given here override it (sources then None). gate_mode: how the router rows are made
+    (moeify.merge_config.GATE_MODES; default: the config's, router_input with router_text, else random).
+    router_text: one text file per source, in order (gate mode router_input). settings: format, dtype, seed,
+    symmetry (default none), targets, max_shard_size, router_std. Returns report.json."""
     from .calibrate import read_texts
-    from .merging import plan_merge, router_rows
+    from .families import load_source
+    from .merge_config import GATE_MODES, check_prompts, output_format, read_merge_spec
+    from .merging import gate_rows, plan_merge
     from .upcycling import UpcycleSettings, check_windows
 
-    if router_text is not None and len(router_text) != len(sources):
-        raise MoeifyError(f"--router-text names {len(router_text)} file(s) for {len(sources)} sources",
-                          "give one text per source, in the order of the sources")
+    prompts = scales = None
+    if config is not None:
+        spec = read_merge_spec(config)
+        if sources:
+            raise MoeifyError(f"sources named both on the command line and in --config {config}",
+                              "name them in one place (the config's experts)")
+        if spec.shared is not None:
+            raise MoeifyError(f"{config}: shared_experts is not supported yet",
+                              "leave it out: a shared expert of --shared-width neurons is `moeify upcycle`'s")
+        sources, prompts = [e.source for e in spec.experts], spec.prompts
+        base = spec.base if base is None else base
+        top_k = spec.experts_per_token * granularity if top_k is None else top_k
+        gate_mode = gate_mode or spec.gate_mode
+        if settings.get("dtype") in (None, "auto"):
+            settings["dtype"] = spec.dtype
+        if settings.get("format") in (None, "auto"):
+            settings["format"] = output_format(spec.formats, load_source(resolve(base)).model_type, False)
+        if any(e.residual_scale is not None for e in spec.experts):
+            scales = [1.0 if e.residual_scale is None else e.residual_scale for e in spec.experts]
+    if not sources:
+        raise MoeifyError("no sources to merge", "name two or more fine-tunes, or a mergekit-moe YAML (--config)")
+    gate_mode = gate_mode or ("router_input" if router_text is not None else "random")
+    if gate_mode not in GATE_MODES:
+        raise MoeifyError(f"--gate-mode {gate_mode!r} is not one of {', '.join(GATE_MODES)}")
+    if router_text is not None:
+        if len(router_text) != len(sources):
+            raise MoeifyError(f"--router-text names {len(router_text)} file(s) for {len(sources)} sources",
+                              "give one text per source, in the order of the sources")
+        if gate_mode != "router_input":
+            raise MoeifyError(f"--router-text makes router_input rows, not gate mode {gate_mode}",
+                              "leave out --gate-mode (or give router_input)")
+    elif prompts is None and gate_mode not in ("random", "uniform_random"):
+        raise MoeifyError(f"--gate-mode {gate_mode} needs each expert's prompts or text",
+                          "give --router-text (one file per source) or a mergekit-moe YAML with prompts (--config)")
+    else:
+        check_prompts(prompts or [], gate_mode, config)
     settings.setdefault("symmetry", "none")
     if top_k is None:
         top_k = granularity * min(2, len(sources))
@@ -334,9 +371,11 @@ def merge(sources: Sequence[str | Path], out: str | Path, *, base: str | Path | 
     from .writer import check_output_path
 
     check_output_path(Path(out), overwrite, plan.src.path)
-    if router_text is not None:
-        ids = [check_windows(plan.src, read_texts([f]), router_tokens) for f in router_text]
-        plan.router_rows = router_rows(plan, ids, progress)
+    texts = None if router_text is None else [check_windows(plan.src, read_texts([f]), router_tokens)
+                                                for f in router_text]
+    plan.router_rows = gate_rows(plan, gate_mode, prompts=prompts, texts=texts, seed=plan.settings.seed,
+                                 progress=progress)
+    plan.gate_mode, plan.scales = gate_mode, scales
     return run_upcycle_plan(plan, out, overwrite=overwrite, progress=progress, check_text=check_text,
                             check_tokens=check_tokens)
 

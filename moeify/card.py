@@ -24,6 +24,16 @@ MODEL_CLASSES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausa
                  "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
+# a merge's router rows by gate mode (moeify.merge_config.GATE_MODES), as the card says it
+ROUTER_ROWS = {"text": "from each source's text (the mean router input, centred).",
+               "router_input": "from each source's prompts or text (the mean router input, centred).",
+               "hidden": "from each expert's prompts (the last token's hidden state entering the layer, as "
+                         "mergekit-moe's gate_mode hidden).",
+               "hidden_last": "from each expert's prompts (the last token's hidden state entering the layer).",
+               "hidden_avg": "from each expert's prompts (the hidden state entering the layer, averaged).",
+               "cheap_embed": "from each expert's prompts' token embeddings, the same in every layer.",
+               "random": "random.", "uniform_random": "random (uniform)."}
+
 def source_licence(src: Path) -> str | None:
     """The licence the source's own card states in its front matter (`license: apache-2.0`), if any."""
     card = Path(src) / CARD
@@ -168,8 +178,7 @@ def _render_upcycle(out: Path, report: dict, name: str | None) -> str:
                 f"fine-tunes of {named} ({names}): each one's FFN an expert"
                 f"{'' if g == 1 else f' of {g} slices'}, attention, norms and embeddings "
                 f"{'the base' if report.get('attention') == 'base' else 'their average'}'s, each layer's router "
-                + ("from each source's text (the mean router input, centred)." if report.get("router") == "text"
-                   else "random."))
+                + ROUTER_ROWS.get(report.get("router", "random"), f"by gate mode {report.get('router')}."))
     else:
         what = (f"A Mixture-of-Experts model upcycled from {named} by moeify {report.get('moeify_version', '')}: "
                 f"every FFN's neurons made into {copies} {kind}, with a router per layer, as a starting point for MoE "

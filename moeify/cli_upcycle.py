@@ -55,7 +55,9 @@ def _print_result(shown, report: dict, out: Path, json_dest: Optional[str]) -> N
         shown.print(f"[green]checked[/] {escape(c['exact_model'])} against {escape(Path(report['source']).name)}: max "
                     f"|logit difference| {c['max_logit_diff']:.3g} (max |logit| {c['logit_scale']:.3g})",
                     highlight=False, soft_wrap=True)
-    shown.print(f"as written: KL to {escape(Path(report['source']).name)} {c['kl_to_source']:.4g} nats; "
+    kl = c["kl_to_source"]
+    shown.print(f"as written: KL to {escape(Path(report['source']).name)} "
+                f"{'< 1e-8' if kl < 1e-8 else format(kl, '.4g')} nats; "
                 f"{report['experts']} experts of {report['expert_width']} neurons, top-{report['top_k']}",
                 highlight=False, soft_wrap=True)
     shown.print(f"[bold green]wrote[/] {escape(str(out))} in {report['seconds']:.1f} s (check "
@@ -156,23 +158,34 @@ def upcycle_cmd(
 
 def merge_cmd(
     out: Path = typer.Argument(..., help="Output directory (must not exist unless --overwrite)."),
-    sources: list[Path] = typer.Argument(..., help="Two or more fine-tunes of one base (directories or Hub ids; the "
-                                         "same family, shapes and tokenizer): each one's FFN becomes an expert."),
+    sources: Optional[list[Path]] = typer.Argument(None, help="Two or more fine-tunes of one base (directories or Hub "
+                                                   "ids; the same family, shapes and tokenizer): each one's FFN "
+                                                   "becomes an expert [default: the --config's experts]."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="A mergekit-moe YAML (base_model, experts with "
+                                          "their prompts, gate_mode, experts_per_token, architecture, dtype, "
+                                          "residual_scale), read as mergekit reads it; the flags here override it."),
     base: Optional[Path] = typer.Option(None, help="Where attention, norms and embeddings come from (with "
-                                        "--attention base) and the router's input is computed [default: the first "
-                                        "source]."),
+                                        "--attention base) and the router's input is computed [default: the config's "
+                                        "base_model, else the first source]."),
     granularity: int = typer.Option(1, "--granularity", "-g", help="Slices per source's FFN (fine-grained experts)."),
     top_k: Optional[int] = typer.Option(None, "--top-k", "-k", help="Experts a token uses, a multiple of G "
-                                        "[default: 2 sources' worth]."),
+                                        "[default: the config's experts_per_token, else 2 sources' worth]."),
     attention: str = typer.Option("base", help="base (the base's attention, norms, embeddings) | average (the "
                                   "sources' mean)."),
+    gate_mode: Optional[str] = typer.Option(None, "--gate-mode", help="How each layer's router rows are made: hidden "
+                                            "| hidden_avg | cheap_embed (mergekit's, from the prompts) | random | "
+                                            "uniform_random | router_input (moeify's: the router's own input on the "
+                                            "prompts or --router-text, centred) [default: the config's, router_input "
+                                            "with --router-text, else random]."),
     router_text: Optional[list[Path]] = typer.Option(None, "--router-text", help="One text file per source, in "
                                                      "order: each layer's router row for a source is its text's mean "
                                                      "router input (post-attention-norm hidden states, every token, "
-                                                     "through the base), centred [default: random rows]."),
+                                                     "through the base), centred."),
     router_tokens: int = typer.Option(2048, min=64, help="Tokens of each --router-text used."),
-    format: str = typer.Option("auto", "--format", help="mixtral | qwen2_moe | qwen3_moe | auto."),
-    dtype: str = typer.Option("auto", help="Output dtype: auto (the base's) | bfloat16 | float16 | float32."),
+    format: str = typer.Option("auto", "--format", help="mixtral | qwen2_moe | qwen3_moe | auto [default: the "
+                               "config's architecture, else the family's]."),
+    dtype: str = typer.Option("auto", help="Output dtype: auto (the config's, else the base's) | bfloat16 | float16 | "
+                              "float32."),
     max_shard_size: Optional[str] = typer.Option(None, help="Max bytes per output shard [default: 5GB]."),
     seed: int = typer.Option(0, help="Seed of random router rows."),
     check_text: Optional[list[Path]] = typer.Option(None, "--check-text", help="Text for the KL of the merge to the "
@@ -182,20 +195,23 @@ def merge_cmd(
     json_dest: Optional[str] = json_option("The report (OUT/report.json)."),
 ) -> None:
     """Merge several fine-tunes of one base into one MoE (Branch-Train-MiX, "clown car" merges): each source's FFN an
-    expert, a router per layer from each source's text or random, attention from the base or averaged. Then train
-    the routers (and experts) on mixed text.
+    expert, a router per layer from each source's prompts or text, or random; attention from the base or averaged.
+    Reads mergekit-moe's YAML as it is. Then train the routers (and experts) on mixed text.
 
     \b
     Examples:
       moeify merge out/moe path/to/base-code path/to/base-math --router-text code.txt --router-text math.txt
       moeify merge out/moe ft-a ft-b ft-c ft-d --base path/to/base --top-k 2 --attention average
+      moeify merge out/moe --config clown-car.yml
+      moeify merge out/moe --config clown-car.yml --gate-mode router_input
     """
     from .api import merge
 
     try:
         with progress_bars() as bar:
-            report = merge([str(s) for s in sources], out, base=None if base is None else str(base),
-                           granularity=granularity, top_k=top_k, attention=attention, router_text=router_text,
+            report = merge([str(s) for s in sources or []], out, config=config,
+                           base=None if base is None else str(base), granularity=granularity, top_k=top_k,
+                           attention=attention, gate_mode=gate_mode, router_text=router_text,
                            router_tokens=router_tokens, format=format, dtype=dtype, max_shard_size=max_shard_size,
                            seed=seed, check_text=check_text, allow_pickle=allow_pickle, overwrite=overwrite,
                            progress=stage_callback(bar))

@@ -1,8 +1,9 @@
 """The merge stage: one MoE from several fine-tunes of one base (Branch-Train-MiX, mergekit-moe's merges). Each
 source's FFN becomes one copy (G fine-grained slices of it), attention, norms and embeddings are the base's or the
-sources' average, and each layer's router rows come from each source's text, computed on the router's real input
-(the post-attention-norm hidden states of every token, the base model run one decoder layer at a time), or are
-random. Written and checked by the upcycle stage (moeify.upcycling): a merge is an upcycle whose copies come from
+sources' average, and each layer's router rows are made by a gate mode (moeify.merge_config.GATE_MODES, dispatched
+by gate_rows): from each expert's prompts or text through the base, run one decoder layer at a time (mergekit-moe's
+hidden states entering each layer, or moeify's router input: the post-attention-norm hidden state of every token),
+from the prompts' token embeddings, or random. Written and checked by the upcycle stage (moeify.upcycling): a merge is an upcycle whose copies come from
 different checkpoints. With every expert the base's FFN the model computes the base (checked at the end of every
 run when the attention is the base's); the KL of the merge as written to the base is reported.
 """
@@ -22,7 +23,6 @@ from .families import TOKENIZER_FILES, SourceModel, check_source_tensors, load_s
 from .upcycling import UpcyclePlan, UpcycleSettings, plan_upcycle
 
 ATTENTION = ("base", "average")
-ROUTERS = ("text", "random")
 SHAPE_KEYS = ("model_type", "hidden", "d_ff", "n_layers", "heads", "kv_heads", "head_dim", "vocab", "tied",
               "qkv_bias", "qk_norm", "sliding_window")
 
@@ -76,31 +76,109 @@ def plan_merge(base: str | Path, sources: list[str | Path], settings: UpcycleSet
     return dataclasses.replace(plan, sources=models, readers=readers, attention=attention)
 
 
+def token_groups(plan: UpcyclePlan, prompts: list[list[str]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each group of prompts as (ids (n, longest), lengths (n,)): right-padded with 0, which a causal model's real
+    tokens never see (the padding comes after them); each prompt tokenized as mergekit does, its tokenizer's BOS
+    text before it and no other special tokens."""
+    from .calibrate import source_tokenizer
+
+    tok = source_tokenizer(plan.src.path)
+    bos = tok.bos_token or ""
+    groups = []
+    for group in prompts:
+        ids = [tok(bos + p, add_special_tokens=False)["input_ids"] or [0] for p in group]
+        padded = torch.zeros(len(ids), max(map(len, ids)), dtype=torch.long)
+        for r, row in enumerate(ids):
+            padded[r, :len(row)] = torch.tensor(row)
+        groups.append((padded, torch.tensor([len(r) for r in ids])))
+    return groups
+
+
 @torch.no_grad()
-def router_rows(plan: UpcyclePlan, source_ids: list[torch.Tensor],
-                progress: Callable[[str, int, int], None] | None = None) -> dict[int, torch.Tensor]:
-    """{layer: (E, d_model)} router rows: the mean router input of each source's text (its (n, seq) token windows,
-    through the base model one decoder layer at a time), centred on the sources' mean so a row says what sets its
-    source apart, scaled to unit length."""
+def layer_states(plan: UpcyclePlan, groups: list[tuple[torch.Tensor, torch.Tensor]],
+                 progress: Callable[[str, int, int], None] | None = None) -> dict[str, torch.Tensor]:
+    """Every group's token sequences (ids (n, seq), lengths (n,)) through the base, one decoder layer at a time
+    (all groups in one pass), reduced per group and layer to (n_layers, groups, d_model):
+    "last": the hidden state entering the layer at each sequence's last token, averaged over its sequences;
+    "avg": the hidden state entering the layer averaged over each sequence's tokens, then over its sequences;
+    "router_input": the post-attention-norm hidden state (the router's input), averaged over all its tokens."""
     from .calibrate import LayerwiseModel
 
-    means = []  # per source: (n_layers, d_model)
-    for s, ids in enumerate(source_ids):
-        model = LayerwiseModel(plan.src, plan.reader, ids)
-        rows = []
-        for i in range(plan.src.n_layers):
-            layer = model.load_layer(i)
-            h_mid, x = model.attention(layer)
-            rows.append(x.reshape(-1, x.shape[-1]).mean(0))
-            model.advance(h_mid, layer.mlp(x))
-            del layer
-            if progress:
-                progress(f"router text {s + 1}/{len(source_ids)}", i + 1, plan.src.n_layers)
-        means.append(torch.stack(rows))
-    stacked = torch.stack(means, dim=1)  # (n_layers, E, d_model)
-    centred = stacked - stacked.mean(dim=1, keepdim=True)
-    unit = centred / centred.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-    return {i: unit[i] for i in range(plan.src.n_layers)}
+    seq = max(ids.shape[1] for ids, _ in groups)
+    ids = torch.cat([torch.nn.functional.pad(g, (0, seq - g.shape[1])) for g, _ in groups])
+    lengths = torch.cat([n for _, n in groups])
+    owner = torch.cat([torch.full((len(n),), j) for j, (_, n) in enumerate(groups)])
+    real = (torch.arange(seq)[None, :] < lengths[:, None]).float()  # (N, seq)
+    member = (owner[None, :] == torch.arange(len(groups))[:, None]).float()  # (groups, N)
+    seqs = member / member.sum(1, keepdim=True)  # a group's mean over its sequences
+    toks = member * lengths[None, :].float()
+    toks = toks / toks.sum(1, keepdim=True)  # a group's mean over its tokens, from each sequence's mean
+
+    model = LayerwiseModel(plan.src, plan.reader, ids)
+    out: dict[str, list] = {"last": [], "avg": [], "router_input": []}
+    for i in range(plan.src.n_layers):
+        h = model.hidden
+        out["last"].append(seqs @ h[torch.arange(len(ids)), lengths - 1])
+        out["avg"].append(seqs @ ((h * real[..., None]).sum(1) / lengths[:, None]))
+        layer = model.load_layer(i)
+        h_mid, x = model.attention(layer)
+        out["router_input"].append(toks @ ((x * real[..., None]).sum(1) / lengths[:, None]))
+        model.advance(h_mid, layer.mlp(x))
+        del layer
+        if progress:
+            progress("router inputs", i + 1, plan.src.n_layers)
+    return {k: torch.stack(v) for k, v in out.items()}
 
 
-__all__ = ["ATTENTION", "ROUTERS", "check_compatible", "plan_merge", "router_rows"]
+def _unit(v: torch.Tensor) -> torch.Tensor:
+    return v / v.norm(dim=-1, keepdim=True).clamp_min(1e-8)
+
+
+def cheap_embed_rows(plan: UpcyclePlan, prompts: list[tuple[list[str], list[str]]]) -> dict[int, torch.Tensor]:
+    """mergekit's cheap_embed: each expert's prompt tokens' embeddings summed and scaled to unit length (minus its
+    negative prompts' the same way, again unit length), one row for every layer."""
+    embed = plan.reader.get("model.embed_tokens.weight").float()
+    rows = []
+    for pos, neg in prompts:
+        ids, n = token_groups(plan, [pos])[0]
+        v = _unit(embed[ids][torch.arange(ids.shape[1])[None, :] < n[:, None]].sum(0))
+        if neg:
+            ids, n = token_groups(plan, [neg])[0]
+            v = _unit(v - _unit(embed[ids][torch.arange(ids.shape[1])[None, :] < n[:, None]].sum(0)))
+        rows.append(v)
+    return {i: torch.stack(rows) for i in range(plan.src.n_layers)}
+
+
+def gate_rows(plan: UpcyclePlan, mode: str, *, prompts: list[tuple[list[str], list[str]]] | None = None,
+              texts: list[torch.Tensor] | None = None, seed: int = 0,
+              progress: Callable[[str, int, int], None] | None = None) -> dict[int, torch.Tensor] | None:
+    """{layer: (E, d_model)} router rows by gate mode (moeify.merge_config.GATE_MODES), from each expert's (positive,
+    negative) prompts or, for router_input, from each source's text windows (texts: (n, seq) ids each); None for
+    random (moeify.copies.random_router draws them as an upcycle does)."""
+    n_layers, d, copies = plan.src.n_layers, plan.src.hidden, plan.layout.copies
+    if mode == "random":
+        return None
+    if mode == "uniform_random":
+        gen = torch.Generator().manual_seed(seed)
+        return {i: (torch.rand(copies, d, generator=gen) * 2 - 1) / d ** 0.5 for i in range(n_layers)}
+    if mode == "cheap_embed":
+        return cheap_embed_rows(plan, prompts)
+    if texts is not None:
+        groups, negatives = [(t, torch.full((t.shape[0],), t.shape[1])) for t in texts], []
+    else:
+        groups = token_groups(plan, [pos for pos, _ in prompts])
+        negatives = [j for j, (_, neg) in enumerate(prompts) if neg]
+        groups += token_groups(plan, [prompts[j][1] for j in negatives])
+    key = {"hidden": "last", "hidden_last": "last", "hidden_avg": "avg", "router_input": "router_input"}[mode]
+    states = layer_states(plan, groups, progress)[key]  # (n_layers, groups, d)
+    rows = states[:, :copies].clone()
+    for g, j in enumerate(negatives):  # mergekit subtracts the negative prompts' state, then normalises
+        rows[:, j] -= states[:, copies + g]
+    if mode == "router_input":  # centred on the experts' mean: what sets each one apart
+        rows = rows - rows.mean(dim=1, keepdim=True)
+    rows = _unit(rows)
+    return {i: rows[i] for i in range(n_layers)}
+
+
+__all__ = ["ATTENTION", "check_compatible", "plan_merge", "token_groups", "layer_states", "cheap_embed_rows",
+           "gate_rows"]

@@ -110,6 +110,8 @@ class UpcyclePlan:
     readers: list[CheckpointReader] = field(default_factory=list, repr=False)
     attention: str = "base"
     router_rows: dict[int, torch.Tensor] | None = field(default=None, repr=False)
+    gate_mode: str = "random"  # how router_rows were made (moeify.merge_config.GATE_MODES)
+    scales: list[float] | None = None  # a merge's residual_scale per copy: its down_proj × it (None: all 1)
 
     @property
     def output_bytes(self) -> int:
@@ -138,7 +140,8 @@ class UpcyclePlan:
     def summary(self) -> dict:
         lay = self.layout
         merge = {"sources": [str(m.path) for m in self.sources], "attention": self.attention,
-                 "router": "text" if self.router_rows is not None else "random"} if self.sources else {}
+                 "router": self.gate_mode,
+                 **({"residual_scales": self.scales} if self.scales else {})} if self.sources else {}
         return {"source": str(self.src.path), "construction": "merge" if self.sources else "upcycle", **merge,
                 "format": self.fmt,
                 "output_dtype": str(self.out_dtype).removeprefix("torch."), "settings": settings_dict(self.settings),
@@ -280,8 +283,8 @@ class LayerExperts:
 def layer_experts(plan: UpcyclePlan, i: int, ffns: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                   broken: bool = True) -> LayerExperts:
     """Layer i's experts from the dense gate/up/down of each copy (plan.ffns(i): one FFN E times, or a merge's one
-    per source), deterministic in (seed, i): broken=False gives the copies before symmetry breaking (what the
-    exactness check runs)."""
+    per source), deterministic in (seed, i): broken=False gives the copies before symmetry breaking and a merge's
+    residual scales (what the exactness check runs)."""
     s, lay = plan.settings, plan.layout
     gen = torch.Generator().manual_seed(s.seed * 1_000_003 + i)
     rows = random_router(lay.copies, plan.src.hidden, plan.router_std, gen)
@@ -301,6 +304,8 @@ def layer_experts(plan: UpcyclePlan, i: int, ffns: list[tuple[torch.Tensor, torc
     def make(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         copy, part = divmod(n, g)
         expert = copy_expert(*ffns[copy], orders[copy][part * w:(part + 1) * w], g)
+        if broken and plan.scales and plan.scales[copy] != 1:  # a merge's residual_scale: the output × it
+            expert = (*expert[:2], (expert[2].float() * plan.scales[copy]).to(expert[2].dtype))
         own = torch.Generator().manual_seed((s.seed * 1_000_003 + i) * 4099 + n)  # this expert's draws alone
         if symmetry == "drop":
             return drop_reinit(expert, s.drop_share, stats, own)[0]

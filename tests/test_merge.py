@@ -45,7 +45,7 @@ def test_router_rows_from_each_sources_text_send_each_text_to_its_source(tmp_pat
     a = build_dense(tmp_path / "a", tokenizer_dir, seed=0)
     b = build_dense(tmp_path / "b", tokenizer_dir, seed=1)
     report = moeify.merge([a, b], tmp_path / "moe", top_k=1, router_text=list(texts), router_tokens=1024)
-    assert report["router"] == "text" and report["check"]["exact_model"] == "every expert the base's FFN"
+    assert report["router"] == "router_input" and report["check"]["exact_model"] == "every expert the base's FFN"
     model, info = load(tmp_path / "moe")
     assert not info["missing_keys"] and not info["unexpected_keys"]
     tok = __import__("transformers").AutoTokenizer.from_pretrained(tmp_path / "moe")

@@ -1,0 +1,228 @@
+"""`moeify merge --config`: a mergekit-moe YAML read as mergekit reads it. Router rows by gate mode equal mergekit's
+formulas computed independently here with transformers (hidden states of the whole model, output_hidden_states);
+the keys honoured (experts_per_token, dtype, architecture, residual_scale); every other key refused in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import build_dense, load, max_logit_diff
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+import moeify
+from moeify.cli import app
+from moeify.errors import MoeifyError
+from moeify.merge_config import output_format, read_merge_spec
+
+PROMPTS = [(["The history of the city", "In the year 1820 the king"], ["def main():"]),
+           (["x = [i * i for i in range(10)]", "import torch\n"], []),
+           (["THE QUICK BROWN FOX 42", "SHOUTING LOUDLY 7"], ["the quiet fox"])]
+
+
+def yaml_config(path: Path, base: Path, sources: list[Path], mode: str = "random", prompts=None, **keys) -> Path:
+    lines = [f"base_model: {base}", f"gate_mode: {mode}"] + [f"{k}: {v}" for k, v in keys.items()] + ["experts:"]
+    for i, s in enumerate(sources):
+        lines.append(f"  - source_model: {s}")
+        if prompts:
+            pos, neg = prompts[i]
+            lines += ["    positive_prompts:"] + [f"      - {json.dumps(p)}" for p in pos]
+            if neg:
+                lines += ["    negative_prompts:"] + [f"      - {json.dumps(p)}" for p in neg]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory, tokenizer_dir):
+    """A base and two fine-tunes of it (other seeds: the same shapes and tokenizer)."""
+    root = tmp_path_factory.mktemp("sources")
+    return [build_dense(root / n, tokenizer_dir, seed=s) for n, s in (("base", 0), ("ft1", 1), ("ft2", 2))]
+
+
+def routers(out: Path) -> list[torch.Tensor]:
+    weights = {}
+    for f in out.glob("*.safetensors"):
+        weights.update(load_file(str(f)))
+    names = sorted((n for n in weights if n.endswith("block_sparse_moe.gate.weight") or n.endswith("mlp.gate.weight")),
+                   key=lambda n: int(n.split(".")[2]))
+    return [weights[n].float() for n in names]
+
+
+def mergekit_rows(base: Path, mode: str) -> torch.Tensor:
+    """mergekit.moe.router.get_gate_params's formulas, written out here: (n_layers, E, d)."""
+    from transformers import AutoTokenizer
+
+    model, _ = load(base)
+    tok = AutoTokenizer.from_pretrained(base)
+
+    def state(prompts):
+        if mode == "cheap_embed":
+            ids = [tok(tok.bos_token + p, add_special_tokens=False)["input_ids"] for p in prompts]
+            e = model.model.embed_tokens.weight[torch.tensor(sum(ids, []))].sum(0)
+            v = e / e.norm().clamp(min=1e-8)
+            return v.expand(model.config.num_hidden_layers, -1)
+        per = []
+        for p in prompts:  # one prompt at a time: mergekit's left padding changes no real token's state
+            ids = tok(tok.bos_token + p, add_special_tokens=False, return_tensors="pt")
+            with torch.no_grad():
+                hs = torch.stack(model(**ids, output_hidden_states=True).hidden_states[:-1])[:, 0]  # (L, seq, d)
+            per.append(hs[:, -1] if mode == "hidden" else hs.mean(1))
+        return torch.stack(per).mean(0)
+
+    rows = []
+    for pos, neg in PROMPTS:
+        v = state(pos)
+        if neg:
+            v = v - state(neg)
+        rows.append(v / v.norm(dim=-1, keepdim=True).clamp(min=1e-8))
+    return torch.stack(rows, dim=1)
+
+
+@pytest.mark.parametrize("mode", ["hidden", "hidden_avg", "cheap_embed"])
+def test_prompted_gate_modes_give_mergekits_router_rows(tmp_path, three, mode):
+    base, ft1, ft2 = three
+    cfg = yaml_config(tmp_path / "moe.yml", base, [base, ft1, ft2], mode, PROMPTS, dtype="float32")
+    report = moeify.merge(None, tmp_path / "moe", config=cfg)
+    assert report["router"] == mode and report["experts"] == 3 and report["top_k"] == 2
+    want = mergekit_rows(base, mode)
+    for i, got in enumerate(routers(tmp_path / "moe")):
+        torch.testing.assert_close(got, want[i], atol=2e-5, rtol=1e-4)
+
+
+def test_router_input_rows_are_the_routers_own_input_centred(tmp_path, three):
+    base, ft1, ft2 = three
+    cfg = yaml_config(tmp_path / "moe.yml", base, [base, ft1, ft2], "router_input", PROMPTS, dtype="float32")
+    moeify.merge(None, tmp_path / "moe", config=cfg)
+    model, _ = load(base)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(base)
+    seen: dict[int, list] = {}
+    hooks = [layer.post_attention_layernorm.register_forward_hook(
+        lambda _m, _i, out, i=i: seen.setdefault(i, []).append(out[0])) for i, layer in enumerate(model.model.layers)]
+
+    def mean_input(prompts):  # every token of every prompt, the router's input
+        for v in seen.values():
+            v.clear()
+        for p in prompts:
+            with torch.no_grad():
+                model(**tok(tok.bos_token + p, add_special_tokens=False, return_tensors="pt"))
+        return torch.stack([torch.cat(seen[i]).mean(0) for i in range(len(model.model.layers))])
+
+    rows = torch.stack([mean_input(pos) - (mean_input(neg) if neg else 0) for pos, neg in PROMPTS], dim=1)
+    rows = rows - rows.mean(1, keepdim=True)
+    rows = rows / rows.norm(dim=-1, keepdim=True)
+    for h in hooks:
+        h.remove()
+    for i, got in enumerate(routers(tmp_path / "moe")):
+        torch.testing.assert_close(got, rows[i], atol=2e-5, rtol=1e-4)
+
+
+def test_random_gate_with_the_base_as_every_expert_reproduces_it_and_keys_are_honoured(tmp_path, three):
+    base = three[0]
+    cfg = yaml_config(tmp_path / "moe.yml", base, [base] * 4, "uniform_random", experts_per_token=3,
+                      dtype="bfloat16", architecture="qwen")
+    report = moeify.merge(None, tmp_path / "moe", config=cfg)
+    assert (report["format"], report["top_k"], report["output_dtype"]) == ("qwen2_moe", 3, "bfloat16")
+    rows = routers(tmp_path / "moe")[0]
+    assert rows.abs().max() <= 1 / 64 ** 0.5 and rows.std() > 0  # U(±1/√d), d = 64
+    cfg = yaml_config(tmp_path / "exact.yml", base, [base] * 4, "random", dtype="float32")
+    report = moeify.merge(None, tmp_path / "exact", config=cfg)
+    assert report["format"] == "mixtral" and report["check"]["kl_to_source"] < 1e-6
+    assert max_logit_diff(base, tmp_path / "exact") <= 1e-4
+
+
+def test_residual_scale_multiplies_an_experts_down_projection(tmp_path, three):
+    base, ft1, _ = three
+    cfg = tmp_path / "moe.yml"
+    cfg.write_text(f"base_model: {base}\ngate_mode: random\ndtype: float32\nexperts:\n  - source_model: {base}\n"
+                   f"  - source_model: {ft1}\n    residual_scale: 0.25\n")
+    report = moeify.merge(None, tmp_path / "moe", config=cfg)
+    assert report["residual_scales"] == [1.0, 0.25]
+    assert report["check"]["exact_model"] == "every expert the base's FFN"  # checked without the scales
+    got = load_file(str(tmp_path / "moe" / "model.safetensors"))
+    src = load_file(str(ft1 / "model.safetensors"))
+    torch.testing.assert_close(got["model.layers.0.block_sparse_moe.experts.1.w2.weight"],
+                               src["model.layers.0.mlp.down_proj.weight"] * 0.25)
+    torch.testing.assert_close(got["model.layers.0.block_sparse_moe.experts.1.w1.weight"],
+                               src["model.layers.0.mlp.gate_proj.weight"])
+
+
+def test_architecture_names_match_by_prefix_as_mergekit_matches_them(tmp_path):
+    cfg = tmp_path / "a.yml"
+    for value, want in (("Mixtral", ("mixtral",)), ("qwen", ("qwen2_moe", "qwen3_moe")), ("Qwen3", ("qwen3_moe",)),
+                        ("qwen moe", ("qwen2_moe",))):
+        cfg.write_text(f"base_model: b\narchitecture: {value}\ngate_mode: random\nexperts:\n"
+                       "  - source_model: a\n  - source_model: c\n")
+        assert read_merge_spec(cfg).formats == want
+    assert output_format(("qwen2_moe", "qwen3_moe"), "qwen3", False) == "qwen3_moe"
+    assert output_format(("qwen2_moe", "qwen3_moe"), "llama", False) == "qwen2_moe"
+    assert output_format((), "llama", False) == "auto"
+
+
+@pytest.mark.parametrize("text,message", [
+    ("base_model: b\nexperts: [{source_model: a}, {source_model: c}]\nmerge_method: ties\n",
+     "merge_method is not a mergekit-moe key"),
+    ("base_model: b\ngate_mode: random\nexperts: [{source_model: a, noise_scale: 0.1}, {source_model: c}]\n",
+     "experts[0].noise_scale is not supported"),
+    ("base_model: b\narchitecture: deepseek\ngate_mode: random\nexperts: [{source_model: a}, {source_model: c}]\n",
+     "no stock transformers class holds mergekit's DeepSeek"),
+    ("base_model: b\nexperts: [{source_model: a, positive_prompts: [x]}, {source_model: c}]\n",
+     "experts[1] has no positive_prompts, which gate_mode hidden needs"),
+    ("base_model: b\nexperts: [{source_model: a, positive_prompts: [x]}, {source_model: c, positive_prompts: [x]}]\n",
+     "every expert has the same prompts"),
+    ("base_model: b\ngate_mode: random\nexperts: [{source_model: a}, {source_model: c}]\n"
+     "shared_experts: [{source_model: a}, {source_model: c}]\n", "shared_experts must list at most one entry"),
+    ("base_model: b\ngate_mode: random\nexperts_per_token: 3\nexperts: [{source_model: a}, {source_model: c}]\n",
+     "experts_per_token 3 must be an integer from 1 to the 2 experts"),
+    ("base_model: b\ngate_mode: learned\nexperts: [{source_model: a}, {source_model: c}]\n",
+     "gate_mode 'learned' is not one of hidden"),
+    ("base_model: b\ngate_mode: random\ndtype: int8\nexperts: [{source_model: a}, {source_model: c}]\n",
+     "dtype 'int8' is not one of float32"),
+    ("base_model: b\ngate_mode: random\nexperts: [{source_model: a+lora}, {source_model: c}]\n",
+     "a model+LoRA reference is not supported"),
+    ("base_model: [b\n", "not valid YAML at line"),
+    ("- just\n- a list\n", "is not a mergekit-moe config"),
+])
+def test_keys_moeify_does_not_honour_are_refused_in_one_line_naming_them(tmp_path, text, message):
+    cfg = tmp_path / "moe.yml"
+    cfg.write_text(text)
+    with pytest.raises(MoeifyError, match=None) as err:
+        read_merge_spec(cfg)
+    assert message in str(err.value) and str(cfg) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_cli_reads_a_config_and_refuses_sources_given_twice(tmp_path, three):
+    base, ft1, _ = three
+    cfg = yaml_config(tmp_path / "moe.yml", base, [base, ft1], "random", dtype="float32")
+    runner = CliRunner()
+    res = runner.invoke(app, ["merge", str(tmp_path / "moe"), str(base), str(ft1), "--config", str(cfg)])
+    assert res.exit_code == 2 and "sources named both on the command line and in --config" in res.output
+    assert not (tmp_path / "moe").exists()
+    res = runner.invoke(app, ["merge", str(tmp_path / "moe"), "--config", str(cfg), "--top-k", "1"])
+    assert res.exit_code == 0, res.output
+    assert "wrote" in res.output and "nats" in res.output
+    assert json.loads((tmp_path / "moe" / "report.json").read_text())["top_k"] == 1
+    res = runner.invoke(app, ["merge", str(tmp_path / "m2"), str(base), str(ft1), "--gate-mode", "hidden"])
+    assert res.exit_code == 2 and "--gate-mode hidden needs each expert's prompts or text" in res.output
+
+
+def test_a_source_that_does_not_exist_is_named(tmp_path, three):
+    cfg = yaml_config(tmp_path / "moe.yml", three[0], [three[0], tmp_path / "nowhere"], "random")
+    with pytest.raises(MoeifyError, match="nowhere"):
+        moeify.merge(None, tmp_path / "moe", config=cfg)
+    assert not (tmp_path / "moe").exists()
+
+
+def test_identical_sources_merge_and_copy_of_config_unchanged(tmp_path, three):
+    base = three[0]
+    other = shutil.copytree(base, tmp_path / "copy")
+    cfg = yaml_config(tmp_path / "moe.yml", base, [base, other], "hidden", PROMPTS[:2])
+    before = cfg.read_bytes()
+    report = moeify.merge(None, tmp_path / "moe", config=cfg)
+    assert cfg.read_bytes() == before and report["check"]["max_logit_diff"] <= 1e-4
