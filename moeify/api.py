@@ -311,7 +311,9 @@ def merge(sources: Sequence[str | Path] | None, out: str | Path, *, config: str 
     one expert (or `granularity` slices), top_k of them a token (default: 2 sources' worth); attention, norms and
     embeddings the base's (default: the first source) or the sources' average (attention="average").
     config: a mergekit-moe YAML (moeify.merge_config) naming the base, the sources, their prompts and the rest;
-    arguments given here override it (sources then None). gate_mode: how the router rows are made
+    arguments given here override it (sources then None). Its shared expert (shared_experts, Qwen2-MoE) is its
+    source's whole FFN beside the routed ones, each half of the layer's output at its resting gate (so a merge of
+    the base's FFN everywhere computes the base), gated by its prompts' row when it has prompts. gate_mode: how the router rows are made
     (moeify.merge_config.GATE_MODES; default: the config's, router_input with router_text, else random).
     router_text: one text file per source, in order (gate mode router_input). settings: format, dtype, seed,
     symmetry (default none), targets, max_shard_size, router_std. Returns report.json."""
@@ -321,15 +323,12 @@ def merge(sources: Sequence[str | Path] | None, out: str | Path, *, config: str 
     from .merging import gate_rows, plan_merge
     from .upcycling import UpcycleSettings, check_windows
 
-    prompts = scales = None
+    prompts = scales = shared = None
     if config is not None:
         spec = read_merge_spec(config)
         if sources:
             raise MoeifyError(f"sources named both on the command line and in --config {config}",
                               "name them in one place (the config's experts)")
-        if spec.shared is not None:
-            raise MoeifyError(f"{config}: shared_experts is not supported yet",
-                              "leave it out: a shared expert of --shared-width neurons is `moeify upcycle`'s")
         sources, prompts = [e.source for e in spec.experts], spec.prompts
         base = spec.base if base is None else base
         top_k = spec.experts_per_token * granularity if top_k is None else top_k
@@ -337,7 +336,9 @@ def merge(sources: Sequence[str | Path] | None, out: str | Path, *, config: str 
         if settings.get("dtype") in (None, "auto"):
             settings["dtype"] = spec.dtype
         if settings.get("format") in (None, "auto"):
-            settings["format"] = output_format(spec.formats, load_source(resolve(base)).model_type, False)
+            settings["format"] = output_format(spec.formats, load_source(resolve(base)).model_type,
+                                               spec.shared is not None)
+        shared = spec.shared
         if any(e.residual_scale is not None for e in spec.experts):
             scales = [1.0 if e.residual_scale is None else e.residual_scale for e in spec.experts]
     if not sources:
@@ -367,7 +368,8 @@ def merge(sources: Sequence[str | Path] | None, out: str | Path, *, config: str 
         given["max_shard_bytes"] = parse_size(given.pop("max_shard_size"))
     plan = plan_merge(resolve(base if base is not None else sources[0]), [resolve(s) for s in sources],
                       UpcycleSettings(granularity=granularity, top_k=top_k, **given), attention=attention,
-                      allow_pickle=allow_pickle, force=force)
+                      allow_pickle=allow_pickle, force=force, shared=None if shared is None else resolve(shared.source),
+                      shared_scale=1.0 if shared is None or shared.residual_scale is None else shared.residual_scale)
     from .writer import check_output_path
 
     check_output_path(Path(out), overwrite, plan.src.path)
@@ -375,6 +377,8 @@ def merge(sources: Sequence[str | Path] | None, out: str | Path, *, config: str 
                                                 for f in router_text]
     plan.router_rows = gate_rows(plan, gate_mode, prompts=prompts, texts=texts, seed=plan.settings.seed,
                                  progress=progress)
+    if shared is not None and shared.positive and gate_mode not in ("random", "uniform_random"):
+        plan.shared_rows = gate_rows(plan, gate_mode, prompts=[(shared.positive, shared.negative)], progress=progress)
     plan.gate_mode, plan.scales = gate_mode, scales
     return run_upcycle_plan(plan, out, overwrite=overwrite, progress=progress, check_text=check_text,
                             check_tokens=check_tokens)

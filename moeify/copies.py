@@ -41,6 +41,7 @@ class UpcycleLayout:
     granularity: int  # G
     top_k: int  # a multiple of G
     shared_width: int = 0  # neurons of the FFN kept apart in an always-on shared expert (Qwen2-MoE), not copied
+    shared_apart: bool = False  # the shared expert a whole FFN of its own (a merge's shared source), every copy whole
 
     @property
     def n_experts(self) -> int:
@@ -48,8 +49,8 @@ class UpcycleLayout:
 
     @property
     def routed_width(self) -> int:
-        """The FFN's neurons that are copied: all but the shared expert's."""
-        return self.d_ff - self.shared_width
+        """The FFN's neurons that are copied: all but the shared expert's (all when it is an FFN of its own)."""
+        return self.d_ff if self.shared_apart else self.d_ff - self.shared_width
 
     @property
     def expert_width(self) -> int:
@@ -75,7 +76,9 @@ class UpcycleLayout:
             raise MoeifyError(f"--copies {self.copies}: at least 1 copy of the FFN is needed")
         if self.granularity < 1:
             raise MoeifyError(f"--granularity {self.granularity} must be at least 1")
-        if not 0 <= self.shared_width < self.d_ff:
+        if self.shared_apart and self.shared_width != self.d_ff:
+            raise ValueError(f"a shared expert of its own holds a whole FFN ({self.d_ff}), not {self.shared_width}")
+        if not self.shared_apart and not 0 <= self.shared_width < self.d_ff:
             raise MoeifyError(f"--shared-width {self.shared_width} must be at least 0 and less than the FFN's "
                               f"{self.d_ff} neurons")
         if self.routed_width % self.granularity:

@@ -57,23 +57,33 @@ def check_compatible(base: SourceModel, sources: list[SourceModel]) -> None:
 
 
 def plan_merge(base: str | Path, sources: list[str | Path], settings: UpcycleSettings, *, attention: str = "base",
-               allow_pickle: bool = False, force: bool = False) -> UpcyclePlan:
-    """Check every source against the base (headers only) and plan the merged MoE: copies = the sources."""
+               allow_pickle: bool = False, force: bool = False, shared: str | Path | None = None,
+               shared_scale: float = 1.0) -> UpcyclePlan:
+    """Check every source against the base (headers only) and plan the merged MoE: copies = the sources. shared: a
+    source whose whole FFN is an always-on shared expert (Qwen2-MoE), its output × shared_scale."""
     if len(sources) < 2:
         raise MoeifyError(f"merge needs at least 2 sources, got {len(sources)}", "name each fine-tune to merge")
     if attention not in ATTENTION:
         raise MoeifyError(f"--attention {attention!r} is not one of {', '.join(ATTENTION)}")
     models = [load_source(s) for s in sources]
+    extra = [load_source(shared)] if shared is not None else []
+    if extra:
+        if settings.shared_width:
+            raise MoeifyError("a shared source and --shared-width both ask for the shared expert",
+                              "give one of them")
+        settings = dataclasses.replace(settings, shared_width=extra[0].d_ff)
     plan = plan_upcycle(base, dataclasses.replace(settings, copies=len(models)), allow_pickle=allow_pickle,
-                        force=force)
-    check_compatible(plan.src, models)
+                        force=force, shared_apart=bool(extra))
+    check_compatible(plan.src, models + extra)
     readers = []
-    for m in models:
+    for m in models + extra:
         check_links(m.path, ("config.json", *TOKENIZER_FILES))
         reader = CheckpointReader(m.path, allow_pickle=allow_pickle)
         check_source_tensors(m, reader.tensors)
         readers.append(reader)
-    return dataclasses.replace(plan, sources=models, readers=readers, attention=attention)
+    return dataclasses.replace(plan, sources=models, readers=readers[:len(models)], attention=attention,
+                               shared_source=extra[0] if extra else None, shared_reader=readers[-1] if extra else None,
+                               shared_scale=shared_scale)
 
 
 def token_groups(plan: UpcyclePlan, prompts: list[list[str]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -155,7 +165,8 @@ def gate_rows(plan: UpcyclePlan, mode: str, *, prompts: list[tuple[list[str], li
     """{layer: (E, d_model)} router rows by gate mode (moeify.merge_config.GATE_MODES), from each expert's (positive,
     negative) prompts or, for router_input, from each source's text windows (texts: (n, seq) ids each); None for
     random (moeify.copies.random_router draws them as an upcycle does)."""
-    n_layers, d, copies = plan.src.n_layers, plan.src.hidden, plan.layout.copies
+    n_layers, d = plan.src.n_layers, plan.src.hidden
+    copies = len(texts) if texts is not None else len(prompts) if prompts is not None else plan.layout.copies
     if mode == "random":
         return None
     if mode == "uniform_random":
@@ -174,7 +185,7 @@ def gate_rows(plan: UpcyclePlan, mode: str, *, prompts: list[tuple[list[str], li
     rows = states[:, :copies].clone()
     for g, j in enumerate(negatives):  # mergekit subtracts the negative prompts' state, then normalises
         rows[:, j] -= states[:, copies + g]
-    if mode == "router_input":  # centred on the experts' mean: what sets each one apart
+    if mode == "router_input" and copies > 1:  # centred on the experts' mean: what sets each one apart
         rows = rows - rows.mean(dim=1, keepdim=True)
     rows = _unit(rows)
     return {i: rows[i] for i in range(n_layers)}

@@ -112,6 +112,12 @@ class UpcyclePlan:
     router_rows: dict[int, torch.Tensor] | None = field(default=None, repr=False)
     gate_mode: str = "random"  # how router_rows were made (moeify.merge_config.GATE_MODES)
     scales: list[float] | None = None  # a merge's residual_scale per copy: its down_proj × it (None: all 1)
+    # a merge's shared expert of its own (layout.shared_apart): the FFN of shared_source, its output × shared_scale,
+    # its gate row per layer from prompts (None: constant, sigmoid ~ 1/2)
+    shared_source: SourceModel | None = None
+    shared_reader: CheckpointReader | None = field(default=None, repr=False)
+    shared_scale: float = 1.0
+    shared_rows: dict[int, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def output_bytes(self) -> int:
@@ -122,11 +128,22 @@ class UpcyclePlan:
         """Whether the output as written computes the source (no symmetry breaking, or a permutation of slices)."""
         return self.settings.symmetry in ("none", "permute") and not self.sources
 
+    @property
+    def shared_is_base(self) -> bool:
+        """Whether a shared expert of its own computes the base's FFN at a constant gate of 1/2 (so that, with every
+        copy the base's FFN, the layer computes the base: the routed half plus the shared half)."""
+        return (self.shared_source is None or self.shared_source.path == self.src.path) and self.shared_scale == 1 \
+            and self.shared_rows is None
+
     def ffns(self, i: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Layer i's dense (gate, up, down) of every copy: the source's for an upcycle, each source's for a merge."""
         readers = self.readers or [self.reader]
         ffns = [tuple(r.get(f"model.layers.{i}.mlp.{n}_proj.weight") for n in ("gate", "up", "down")) for r in readers]
         return ffns if self.sources else ffns * self.layout.copies
+
+    def shared_ffn(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer i's (gate, up, down) of a merge's shared source."""
+        return tuple(self.shared_reader.get(f"model.layers.{i}.mlp.{n}_proj.weight") for n in ("gate", "up", "down"))
 
     @property
     def engine_notes(self):
@@ -141,7 +158,10 @@ class UpcyclePlan:
         lay = self.layout
         merge = {"sources": [str(m.path) for m in self.sources], "attention": self.attention,
                  "router": self.gate_mode,
-                 **({"residual_scales": self.scales} if self.scales else {})} if self.sources else {}
+                 **({"residual_scales": self.scales} if self.scales else {}),
+                 **({"shared_source": str(self.shared_source.path), "shared_scale": self.shared_scale,
+                     "shared_gate": "prompts" if self.shared_rows is not None else "constant"}
+                    if self.shared_source is not None else {})} if self.sources else {}
         return {"source": str(self.src.path), "construction": "merge" if self.sources else "upcycle", **merge,
                 "format": self.fmt,
                 "output_dtype": str(self.out_dtype).removeprefix("torch."), "settings": settings_dict(self.settings),
@@ -170,8 +190,9 @@ def resolve_format(src: SourceModel, requested: str, shared_width: int) -> str:
             raise MoeifyError(f"--format {requested} cannot hold the q/k norms of {src.path} (qwen3)",
                               "use --format qwen3_moe (or auto)")
         if shared_width:
-            raise MoeifyError(f"--shared-width {shared_width}: {src.path} is a Qwen3 model and Qwen3-MoE, the one "
-                              "stock class with its q/k norms, has no shared expert", "leave out --shared-width")
+            raise MoeifyError(f"a shared expert ({shared_width} neurons): {src.path} is a Qwen3 model and Qwen3-MoE, "
+                              "the one stock class with its q/k norms, has no shared expert",
+                              "leave out --shared-width (or a merge's shared_experts)")
         return "qwen3_moe"
     if requested == "qwen3_moe":
         raise MoeifyError(f"--format qwen3_moe needs a Qwen3 source; {src.path} is {src.model_type} (its attention "
@@ -182,17 +203,18 @@ def resolve_format(src: SourceModel, requested: str, shared_width: int) -> str:
                               "use --format qwen2_moe (or auto)")
         return "qwen2_moe"
     if requested == "mixtral" and shared_width:
-        raise MoeifyError(f"--format mixtral has no shared expert (--shared-width {shared_width})",
-                          "use --format qwen2_moe (or auto), or leave out --shared-width")
+        raise MoeifyError(f"--format mixtral has no shared expert ({shared_width} neurons asked for)",
+                          "use --format qwen2_moe (or auto), or leave out --shared-width (or shared_experts)")
     if requested == "auto":
         return "qwen2_moe" if shared_width else "mixtral"
     return requested
 
 
 def plan_upcycle(src_path: str | Path, settings: UpcycleSettings, *, allow_pickle: bool = False,
-                 force: bool = False, weights: bool = True) -> UpcyclePlan:
+                 force: bool = False, weights: bool = True, shared_apart: bool = False) -> UpcyclePlan:
     """Read config and shard headers only; check everything before heavy work. weights=False: config.json alone
-    (a plan to print, from a Hub id without fetching its weights; it cannot be run)."""
+    (a plan to print, from a Hub id without fetching its weights; it cannot be run). shared_apart: the shared expert
+    (settings.shared_width = d_ff) a whole FFN of its own, the copies whole (a merge's shared source)."""
     settings.validate()
     src = load_source(src_path)
     if weights:
@@ -204,7 +226,8 @@ def plan_upcycle(src_path: str | Path, settings: UpcycleSettings, *, allow_pickl
         reader, stored = None, src.dtype or torch.bfloat16
         headers = {n: TensorInfo(n, stored, shape) for n, shape in src.expected_tensors().items()}
     fmt = resolve_format(src, settings.format, settings.shared_width)
-    layout = UpcycleLayout(src.d_ff, settings.copies, settings.granularity, settings.top_k, settings.shared_width)
+    layout = UpcycleLayout(src.d_ff, settings.copies, settings.granularity, settings.top_k, settings.shared_width,
+                           shared_apart)
     layout.check()
     out_dtype = DTYPE_NAMES[settings.dtype] if settings.dtype != "auto" else stored
     tensors = _output_tensors(src, headers, fmt, layout, out_dtype)
@@ -292,9 +315,12 @@ def layer_experts(plan: UpcyclePlan, i: int, ffns: list[tuple[torch.Tensor, torc
         rows = plan.router_rows[i]
     router = group_router(rows, lay.granularity)
     gate, up, down = ffns[0]
-    shared_idx = shared_neurons(gate, up, down, lay.shared_width)
+    shared_idx = shared_neurons(gate, up, down, 0 if lay.shared_apart else lay.shared_width)
     orders = copy_orders(routed_neurons(lay.d_ff, shared_idx), lay.copies, s.symmetry == "permute", gen)
     g, w = lay.granularity, lay.expert_width
+    # beside a shared expert of its own each copy's output is halved: at its resting gate (1/2) the shared expert is
+    # the other half, so a layer of the base's FFN everywhere computes the base
+    factor = g / 2 if lay.shared_apart else g
     symmetry = s.symmetry if broken else "none"
     if symmetry == "drop":
         stats = (matrix_stats(gate), matrix_stats(up), tuple(v * g for v in matrix_stats(down)))
@@ -303,7 +329,7 @@ def layer_experts(plan: UpcyclePlan, i: int, ffns: list[tuple[torch.Tensor, torc
 
     def make(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         copy, part = divmod(n, g)
-        expert = copy_expert(*ffns[copy], orders[copy][part * w:(part + 1) * w], g)
+        expert = copy_expert(*ffns[copy], orders[copy][part * w:(part + 1) * w], factor)
         if broken and plan.scales and plan.scales[copy] != 1:  # a merge's residual_scale: the output × it
             expert = (*expert[:2], (expert[2].float() * plan.scales[copy]).to(expert[2].dtype))
         own = torch.Generator().manual_seed((s.seed * 1_000_003 + i) * 4099 + n)  # this expert's draws alone
@@ -316,8 +342,12 @@ def layer_experts(plan: UpcyclePlan, i: int, ffns: list[tuple[torch.Tensor, torc
     report: dict = {"layer": i, "symmetry": s.symmetry}
     if symmetry == "drop":
         report["reinitialised_neurons"] = [drop_count(s.drop_share, w)] * lay.n_experts
-    shared = shared_expert(gate, up, down, shared_idx, SHARED_GATE_FACTOR) if lay.shared_width else None
-    if lay.shared_width:
+    if lay.shared_apart:  # gate 1/2 at rest × 2 / 2: the shared FFN's own output × its residual scale
+        sg, su, sd = plan.shared_ffn(i)
+        shared = sg, su, (sd.float() * plan.shared_scale).to(sd.dtype)
+    else:
+        shared = shared_expert(gate, up, down, shared_idx, SHARED_GATE_FACTOR) if lay.shared_width else None
+    if lay.shared_width and not lay.shared_apart:
         report["shared_neurons"] = shared_idx.tolist()
     return LayerExperts(LazyExperts(make, lay.n_experts), router, shared, report)
 
@@ -338,7 +368,10 @@ def _ffn_tensors(plan: UpcyclePlan, i: int, le: LayerExperts):
             shared = tuple(t.to(dtype) for t in le.shared)
         for t in shared:
             yield next(names), t
-        yield next(names), torch.full((1, h), SHARED_GATE_MIN, dtype=dtype)  # sigmoid ~ 1/2; never 0 (llama.cpp)
+        if plan.shared_rows is not None:  # a merge's shared gate from prompts
+            yield next(names), plan.shared_rows[i].reshape(1, h).to(dtype)
+        else:
+            yield next(names), torch.full((1, h), SHARED_GATE_MIN, dtype=dtype)  # sigmoid ~ 1/2; never 0 (llama.cpp)
 
 
 # ------------------------------------------------------------------------------------------------ running
@@ -395,7 +428,7 @@ def _write_output(plan: UpcyclePlan, out: Path, tmp: Path, progress: Progress | 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
-        for reader in (plan.reader, *plan.readers):
+        for reader in (plan.reader, *plan.readers, *([plan.shared_reader] if plan.shared_reader else [])):
             reader.close()
     return report
 
@@ -456,8 +489,9 @@ def check_output(plan: UpcyclePlan, out_dir: Path, progress: Progress | None = N
     written = moe_stack(out_dir, out_reader, None if from_files else regenerate(True))
     # one pass: the check's tokens (the text, else random ones) through the source, the exact construction and,
     # when it differs, the model as written, a decoder layer of each at a time. A merge's exact construction is every
-    # copy the base's FFN; with averaged attention no setting computes the base, and only the KL is measured.
-    averaged = bool(plan.sources) and plan.attention != "base"
+    # copy the base's FFN; with averaged attention, or a shared expert of its own that is not the base's FFN at a
+    # constant gate, no setting computes the base, and only the KL is measured.
+    averaged = bool(plan.sources) and (plan.attention != "base" or not plan.shared_is_base)
     exact = None if averaged else written if plan.exact else \
         moe_stack(out_dir, out_reader, regenerate(False, bool(plan.sources)))
     ids = text_ids if text_ids is not None else torch.randint(

@@ -226,3 +226,62 @@ def test_identical_sources_merge_and_copy_of_config_unchanged(tmp_path, three):
     before = cfg.read_bytes()
     report = moeify.merge(None, tmp_path / "moe", config=cfg)
     assert cfg.read_bytes() == before and report["check"]["max_logit_diff"] <= 1e-4
+
+
+def shared_yaml(path: Path, base: Path, experts: list[Path], shared: Path, mode: str = "random", extra: str = "",
+                prompts: bool = False) -> Path:
+    lines = [f"base_model: {base}", f"gate_mode: {mode}", "dtype: float32", "experts:"]
+    for i, e in enumerate(experts):
+        lines.append(f"  - source_model: {e}")
+        if prompts:
+            lines += ["    positive_prompts:"] + [f"      - {json.dumps(p)}" for p in PROMPTS[i][0]]
+    lines += ["shared_experts:", f"  - source_model: {shared}"] + ([f"    {extra}"] if extra else [])
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_a_shared_expert_of_the_base_beside_copies_of_it_reproduces_the_base(tmp_path, three):
+    base = three[0]
+    cfg = shared_yaml(tmp_path / "moe.yml", base, [base] * 4, base)
+    report = moeify.merge(None, tmp_path / "moe", config=cfg)
+    assert report["format"] == "qwen2_moe" and report["shared_width"] == 96 and report["expert_width"] == 96
+    assert report["check"]["exact_model"] == "every expert the base's FFN"
+    model, info = load(tmp_path / "moe")
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert max_logit_diff(base, tmp_path / "moe") <= 1e-4
+
+
+def test_a_shared_expert_from_another_source_is_its_whole_ffn_scaled(tmp_path, three):
+    base, ft1, ft2 = three
+    cfg = shared_yaml(tmp_path / "moe.yml", base, [base, ft1], ft2, extra="residual_scale: 0.5")
+    report = moeify.merge(None, tmp_path / "moe", config=cfg)
+    assert report["shared_source"] == str(ft2) and report["shared_scale"] == 0.5
+    assert report["check"]["exact_model"] is None  # no setting of this merge computes the base
+    got = load_file(str(tmp_path / "moe" / "model.safetensors"))
+    src = load_file(str(ft2 / "model.safetensors"))
+    torch.testing.assert_close(got["model.layers.1.mlp.shared_expert.down_proj.weight"],
+                               src["model.layers.1.mlp.down_proj.weight"] * 0.5)
+    own = load_file(str(ft1 / "model.safetensors"))
+    torch.testing.assert_close(got["model.layers.1.mlp.experts.1.down_proj.weight"],
+                               own["model.layers.1.mlp.down_proj.weight"] / 2)  # the routed half
+
+
+def test_a_shared_expert_with_prompts_gets_its_gate_row_from_them(tmp_path, three):
+    base, ft1, ft2 = three
+    cfg = shared_yaml(tmp_path / "moe.yml", base, [base, ft1], ft2, "hidden",
+                      'positive_prompts: ["The history of the world"]', prompts=True)
+    report = moeify.merge(None, tmp_path / "moe", config=cfg)
+    assert report["shared_gate"] == "prompts"
+    gate = load_file(str(tmp_path / "moe" / "model.safetensors"))["model.layers.0.mlp.shared_expert_gate.weight"]
+    assert gate.shape == (1, 64) and abs(float(gate.norm()) - 1) < 1e-5
+
+
+def test_a_shared_expert_in_a_qwen3_or_mixtral_output_is_refused(tmp_path, three, tokenizer_dir):
+    q3 = build_dense(tmp_path / "q3", tokenizer_dir, family="qwen3")
+    cfg = shared_yaml(tmp_path / "q3.yml", q3, [q3, q3], q3)
+    with pytest.raises(MoeifyError, match="Qwen3-MoE, the one stock class with its q/k norms, has no shared expert"):
+        moeify.merge(None, tmp_path / "out", config=cfg)
+    cfg = shared_yaml(tmp_path / "mx.yml", three[0], [three[0]] * 2, three[0])
+    with pytest.raises(MoeifyError, match="--format mixtral has no shared expert"):
+        moeify.merge(None, tmp_path / "out", config=cfg, format="mixtral")
+    assert not (tmp_path / "out").exists()
