@@ -172,3 +172,18 @@ def edit_json(path: Path, edit) -> None:
     data = json.loads(path.read_text())
     edit(data)
     path.write_text(json.dumps(data))
+
+
+def lay_out_hub(root: Path, repo: str, files: Path, refs: dict[str, str], only: tuple[str, ...] = ()) -> Path:
+    """A Hub cache as huggingface_hub writes it: models--org--name/refs/<revision> holding the commit,
+    snapshots/<commit>/ holding the files (all of `files`, or only those named)."""
+    folder = root / f"models--{repo.replace('/', '--')}"
+    (folder / "refs").mkdir(parents=True, exist_ok=True)
+    for ref, commit in refs.items():
+        (folder / "refs" / ref).write_text(commit)
+        snap = folder / "snapshots" / commit
+        snap.mkdir(parents=True, exist_ok=True)
+        for f in files.iterdir():
+            if not only or f.name in only:
+                shutil.copyfile(f, snap / f.name)
+    return root

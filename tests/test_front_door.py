@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 import moeify
-from conftest import build_dense
+from conftest import build_dense, lay_out_hub
 from moeify.cli import app
 from moeify.errors import MoeifyError
 
@@ -32,21 +32,6 @@ def no_network(monkeypatch):
 
     monkeypatch.setattr(socket.socket, "connect", refuse)
     monkeypatch.setattr(socket, "create_connection", refuse)
-
-
-def lay_out_hub(root: Path, repo: str, files: Path, refs: dict[str, str], only: tuple[str, ...] = ()) -> Path:
-    """A Hub cache as huggingface_hub writes it: models--org--name/refs/<revision> holding the commit,
-    snapshots/<commit>/ holding the files (all of `files`, or only those named)."""
-    folder = root / f"models--{repo.replace('/', '--')}"
-    (folder / "refs").mkdir(parents=True, exist_ok=True)
-    for ref, commit in refs.items():
-        (folder / "refs" / ref).write_text(commit)
-        snap = folder / "snapshots" / commit
-        snap.mkdir(parents=True, exist_ok=True)
-        for f in files.iterdir():
-            if not only or f.name in only:
-                shutil.copyfile(f, snap / f.name)
-    return root
 
 
 @pytest.fixture

@@ -285,3 +285,73 @@ def test_a_shared_expert_in_a_qwen3_or_mixtral_output_is_refused(tmp_path, three
     with pytest.raises(MoeifyError, match="--format mixtral has no shared expert"):
         moeify.merge(None, tmp_path / "out", config=cfg, format="mixtral")
     assert not (tmp_path / "out").exists()
+
+
+# mergekit-moe's documentation (docs/moe.md, "Example Configurations"), verbatim
+DOC_UPCYCLE = """\
+base_model: BEE-spoke-data/smol_llama-220M-GQA
+gate_mode: random
+dtype: bfloat16
+experts:
+  - source_model: BEE-spoke-data/smol_llama-220M-GQA
+  - source_model: BEE-spoke-data/smol_llama-220M-GQA
+  - source_model: BEE-spoke-data/smol_llama-220M-GQA
+  - source_model: BEE-spoke-data/smol_llama-220M-GQA
+  - source_model: BEE-spoke-data/smol_llama-220M-GQA
+  - source_model: BEE-spoke-data/smol_llama-220M-GQA
+  - source_model: BEE-spoke-data/smol_llama-220M-GQA
+  - source_model: BEE-spoke-data/smol_llama-220M-GQA
+# and then train the sucker!
+"""
+DOC_CLOWN_CAR = """\
+base_model: NousResearch/Hermes-2-Pro-Mistral-7B
+gate_mode: hidden
+dtype: bfloat16
+experts:
+  - source_model: NousResearch/Hermes-2-Pro-Mistral-7B
+    positive_prompts:
+      - "<|im_start|>user\\nHello, who are you?<|im_end|>"
+      - "<|im_start|>user\\nI need help with"
+  - source_model: BioMistral/BioMistral-7B-DARE
+    positive_prompts:
+      - "As a doctor of medicine,"
+  - source_model: PocketDoc/Dans-AdventurousWinds-7b
+    positive_prompts:
+      - "[Genres: Science Fiction]\\n[Tags: humor, old school, sci fi]"
+      - "> get ye flask"
+      - "[Mode: Interactive Storyteller]"
+  - source_model: VAGOsolutions/SauerkrautLM-7b-HerO
+    positive_prompts:
+      - "<|im_start|>user\\nWie geht es dir?<|im_end|>"
+      - "Das ist ein Satz auf Deutsch."
+"""
+
+
+def test_mergekits_documented_example_configs_run_unchanged(tmp_path, tokenizer_dir, monkeypatch):
+    """Both of mergekit-moe's documented examples, their Hub ids served by a Hub cache laid out here (tiny models
+    of the same families; the network refused)."""
+    import socket
+
+    import huggingface_hub.constants as constants
+    from conftest import lay_out_hub
+
+    monkeypatch.setattr(socket.socket, "connect", lambda *a, **k: (_ for _ in ()).throw(OSError("no network")))
+    cache = tmp_path / "hub"
+    repos = {"BEE-spoke-data/smol_llama-220M-GQA": "llama", "NousResearch/Hermes-2-Pro-Mistral-7B": "mistral",
+             "BioMistral/BioMistral-7B-DARE": "mistral", "PocketDoc/Dans-AdventurousWinds-7b": "mistral",
+             "VAGOsolutions/SauerkrautLM-7b-HerO": "mistral"}
+    for seed, (repo, family) in enumerate(repos.items()):
+        model = build_dense(tmp_path / "src" / repo, tokenizer_dir, family=family, seed=seed)
+        lay_out_hub(cache, repo, model, {"main": f"{seed:040x}"})
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    for name, text, experts in (("upcycle", DOC_UPCYCLE, 8), ("clown-car", DOC_CLOWN_CAR, 4)):
+        cfg = tmp_path / f"{name}.yml"
+        cfg.write_text(text)
+        report = moeify.merge(None, tmp_path / name, config=cfg)
+        assert (report["format"], report["experts"], report["top_k"]) == ("mixtral", experts, 2)
+        assert report["output_dtype"] == "bfloat16" and report["router"] == ("random" if experts == 8 else "hidden")
+        model, info = load(tmp_path / name)
+        assert not info["missing_keys"] and not info["unexpected_keys"]
+    rows = routers(tmp_path / "clown-car")[1].float()
+    assert torch.allclose(rows.norm(dim=-1), torch.ones(4), atol=1e-2)  # unit rows (bfloat16)
