@@ -315,11 +315,15 @@ def plan_cmd(
                                         "for: k-quants (llama.cpp Q4_K_M: widths of 256) | fp8 (vLLM FP8 block, "
                                         "Marlin: 128) | q8_0 (llama.cpp Q8_0/Q4_0: 32) | bf16 (any width) "
                                         "[default: the preset's own: experts of 128 where d_ff has them, else 256, 128, 32]."),
+    gpus: int = typer.Option(8, "--gpus", min=1, help="GPUs (processes) the upcycles' training memory is given for."),
+    gpu_memory: float = typer.Option(80.0, "--gpu-memory", min=1.0, help="GB of one GPU: how many the upcycles' "
+                                     "training needs."),
     json_dest: Optional[str] = _json_option("The numbers of every regime, with serving fit."),
 ) -> None:
     """Parameters, activated parameters and FFN FLOPs per token of an MoE built from a dense config, for the
-    max-capacity (width d_ff), constant-compute (d_ff/k), inference-saving (d_ff/N, what convert carves) and
-    custom-width regimes, with ratios to the dense model.
+    max-capacity (`moeify upcycle`'s E8 top-2), constant-compute (E8 fine-grained, G4 top-4: dense compute),
+    inference-saving (d_ff/N, what convert carves) and custom-width regimes, with ratios to the dense model; and
+    the upcycles' training memory per GPU, plain and offloaded, with the GPUs it needs.
 
     \b
     Examples:
@@ -332,9 +336,9 @@ def plan_cmd(
     try:
         result = plan(str(src), preset=preset, experts=experts, top_k=top_k, shared=shared, expert_width=expert_width,
                       serve=serve)
-        print_moe_plan(_tables(json_dest), result)
+        print_moe_plan(_tables(json_dest), result, gpus, gpu_memory)
         if json_dest:
-            _write_json(result.to_dict(), json_dest)
+            _write_json(result.to_dict(gpus, gpu_memory * 1e9), json_dest)
     except MoeifyError as exc:
         _fail(exc)
 

@@ -36,6 +36,7 @@ def _print_plan(out_console, plan, out: Path) -> None:
               f"{str(plan.out_dtype).removeprefix('torch.')}")
     t.add_row("to train it", f"~{plan.summary()['training_state_bytes'] / 1e9:.1f} GB of AdamW state "
               "(16 B a parameter, mixed precision), before activations")
+    t.add_row("training / GPU", _training_text(plan))
     sym = {"none": "none: identical copies, exact",
            "permute": "permute: slices of each copy shuffled, exact",
            "drop": f"drop: {s.drop_share:.0%} of each expert's neurons re-initialised, not exact",
@@ -46,6 +47,22 @@ def _print_plan(out_console, plan, out: Path) -> None:
         colour = "red" if n.fails else "yellow"
         out_console.print(f"[{colour}]{escape(n.engine)}:[/] {escape(n.what)} ({escape(n.fix)})", highlight=False,
                           soft_wrap=True)
+
+
+def _training_text(plan, processes: int = 8, gpu_gb: float = 80) -> str:
+    """What `moeify tune OUT --tune-text` needs per GPU (moeify.planning.training_needs): on 1 and `processes`
+    GPUs, offloaded, and how many GPUs of gpu_gb GB."""
+    from .planning import training_needs
+
+    lay = plan.layout
+    one, many = (training_needs(plan.src, lay.n_experts, lay.top_k, lay.expert_width, lay.shared_width, n,
+                                gpu_gb * 1e9) for n in (1, processes))
+    need = many["gpus_needed"]
+    plain = f"{need['plain']}" if need["plain"] else "more than 512"
+    off = f", {need['offload']} offloaded" if need["offload"] else ""
+    return (f"{one['peak'] / 1e9:.1f} GB on 1 GPU, {many['peak'] / 1e9:.1f} GB each on {processes} "
+            f"({many['offload_peak'] / 1e9:.1f} GB + {many['offload_host'] / 1e9:.1f} GB host offloaded); "
+            f"{gpu_gb:g} GB GPUs: {plain}{off} (bf16, FSDP2)")
 
 
 def _print_result(shown, report: dict, out: Path, json_dest: Optional[str]) -> None:

@@ -238,3 +238,88 @@ def choose_offload(plain: TuneMemory, offloaded: TuneMemory, device: str, have: 
     if not device.startswith("cuda") or have is None or fits(plain, have, device_memory("cpu")):
         return False
     return fits(offloaded, have, device_memory("cpu"))
+
+
+# ------------------------------------------------------------------ next-token training of an upcycle or a merge
+
+HOST_PER_GPU = 240 * 10**9  # bytes of host memory per GPU an offloaded run may use (a DGX H100 node: 2 TB, 8 GPUs)
+PROCESS_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+@dataclass(frozen=True)
+class TrainMemory:
+    """Peak memory per process of `moeify tune OUT --tune-text` on an upcycle or merge (moeify.tuning.lm), by part."""
+
+    weights: int  # the float32 master weights this process holds (1/world of them across processes)
+    state: int  # gradients and AdamW's two moments of what trains (float32, 1/world of them)
+    gathered: int  # the weights computed with: FSDP2's gathered layers (and one layer's whole gradients), or
+    # autocast's bf16 copies of the trained weights in one process
+    activations: int  # what autograd keeps of one forward (the windows a forward on this process)
+    logits: int  # the output head's logits and the cross-entropy's float32 copies and gradient
+    baseline: int
+    host: int = 0  # offloaded: the weights and state in host memory instead, per process
+    world: int = 1
+
+    @property
+    def peak(self) -> int:
+        return self.weights + self.state + self.gathered + self.activations + self.logits + self.baseline
+
+    def to_dict(self) -> dict:
+        return {"weights": self.weights, "state": self.state, "gathered": self.gathered,
+                "activations": self.activations, "logits": self.logits, "baseline": self.baseline,
+                "peak": self.peak, "host": self.host, "world": self.world}
+
+
+def train_memory(*, hidden: int, n_layers: int, heads: int, kv_heads: int, head_dim: int, vocab: int, tied: bool,
+                 experts: int, top_k: int, expert_width: int, shared_width: int = 0, seq: int = 512,
+                 windows: int = 1, world: int = 1, offload: bool = False, device: str = "cuda", bf16: bool = True,
+                 train_router: bool = True, train_experts: bool = True, train_attention: bool = False) -> TrainMemory:
+    """Predicted bytes per process of next-token training of an MoE of this shape (moeify.tuning.lm: float32 master
+    weights, AdamW on what trains; `windows` windows of `seq` tokens a forward on each process). Across `world`
+    processes FSDP2 shards every decoder layer (a group each, its experts sharded with it) and the rest (embeddings,
+    head, final norm), gathering a layer for its forward and the next one ahead (bf16 on a GPU: its
+    MixedPrecisionPolicy), and a layer's whole gradients before they are reduce-scattered; offload (a GPU run): the
+    float32 weights, gradients and moments in host memory (TrainMemory.host), the GPU holds what it computes with."""
+    h, L = hidden, n_layers
+    attn = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2 + 2 * h
+    expert_params = experts * 3 * h * expert_width + 3 * h * shared_width + (h if shared_width else 0)
+    router = experts * h
+    layer = attn + expert_params + router
+    rest = vocab * h * (1 if tied else 2) + h
+    total = L * layer + rest
+    trained = L * ((router if train_router else 0) + (expert_params if train_experts else 0)
+                   + (attn if train_attention else 0))
+    sharded = world > 1 or (offload and device != "cpu")
+    lowp = 2 if bf16 else 4
+    weights, state = -(-4 * total // world), -(-12 * trained // world)
+    if sharded:  # two layers gathered (the one computing, the next fetched) and the rest; a layer's gradients whole
+        gathered = lowp * (2 * layer + rest) + 4 * (trained // L)
+    else:  # autocast keeps a bf16 copy of every trained weight it casts for the backward pass
+        gathered = 2 * trained if bf16 else 0
+    tokens = seq * windows
+    act = 2 if bf16 else 4
+    per_token_layer = top_k * (4 * expert_width + 3 * h) + (4 * shared_width + 3 * h if shared_width else 0) \
+        + 10 * h + 2 * experts
+    activations = tokens * L * per_token_layer * act + tokens * h * 4 * 2
+    logits = tokens * vocab * (3 * 4 + (2 if bf16 else 0))
+    host = 0
+    if offload and device != "cpu":
+        host, weights, state = weights + state, 0, 0
+    return TrainMemory(weights, state, gathered, activations, logits, CPU_BASELINE if device == "cpu" else 0, host,
+                       world)
+
+
+def train_windows(world: int, step_windows: int = 8) -> int:
+    """Windows a forward on each GPU process: a step's (4,096 tokens of 512: 8) split across the processes, one at
+    least (moeify.tuning.lm on a GPU runs a process's share of a step in one forward)."""
+    return max(1, step_windows // world)
+
+
+def gpus_needed(memory_at, gpu_bytes: float, host_per_gpu: float = HOST_PER_GPU) -> dict:
+    """The fewest processes (of PROCESS_COUNTS, one GPU each) whose predicted peak fits gpu_bytes: plain, and
+    offloaded with at most host_per_gpu of host memory a process. memory_at(world, offload) -> TrainMemory.
+    {"plain": n or None, "offload": n or None}."""
+    plain = next((n for n in PROCESS_COUNTS if memory_at(n, False).peak <= gpu_bytes), None)
+    off = next((n for n in PROCESS_COUNTS if memory_at(n, True).peak <= gpu_bytes
+                and memory_at(n, True).host <= host_per_gpu), None)
+    return {"plain": plain, "offload": off}

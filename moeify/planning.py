@@ -2,13 +2,16 @@
 
 Pure arithmetic on config.json (no weights). For N routed experts of width d_e, top-k active, a shared expert of
 S experts' width, the FFN part of each layer holds N·3·h·d_e + S·3·h·d_e + N·h (router) parameters and a token
-touches k·3·h·d_e + S·3·h·d_e + N·h of them. The regimes pick d_e:
+touches k·3·h·d_e + S·3·h·d_e + N·h of them. The two upcycles are priced as `moeify upcycle` builds them by default,
+whatever the carve's counts; the carve's regimes use --experts, --top-k and --shared:
 
-- max capacity:       d_e = d_ff              (P ≈ N·P_dense, FLOPs ≈ k·dense)
-- constant compute:   d_e = d_ff / (k + S)    (FLOPs ≈ dense)
-- inference saving:   d_e = d_ff / (N + S)    (P ≈ P_dense, FLOPs ≈ k/N·dense) — what `moeify convert` carves
+- max capacity:       E8 top-2, d_e = d_ff        (P ≈ 8·P_dense FFN, FLOPs ≈ 2·dense): `moeify upcycle` as it is
+- constant compute:   E8 G4 top-4, d_e = d_ff / 4 (P ≈ 8·P_dense FFN, FLOPs ≈ dense): `--granularity 4 --top-k 4`
+- inference saving:   d_e = d_ff / (N + S)        (P ≈ P_dense, FLOPs ≈ k/N·dense) — what `moeify convert` carves
 - custom:             d_e = --expert-width
 
+For the upcycles it also says what training them (`moeify tune OUT --tune-text`) needs per process across N GPUs,
+plain and offloaded, and the fewest GPUs of a given size that hold it (moeify.memory.train_memory).
 The numbers come from moeify.budget.carve_budget, the same function `convert --dry-run` uses.
 """
 
@@ -30,6 +33,17 @@ class Regime:
     shared_width: int
     budget: Budget
     exact: bool = True  # False when d_ff does not divide evenly and the width was rounded down
+    experts: int = 0  # routed experts of this regime (the upcycles': E·G, whatever the carve's count)
+    top_k: int = 0
+    granularity: int = 0  # an upcycle's slices per copy (0: a carve's regime)
+
+    @property
+    def layout(self) -> str:
+        """How the regime is built, shortly: E8 top-2, E8 G4 top-4, 8 of d_ff/8 top-2."""
+        if self.granularity:
+            g = f" G{self.granularity}" if self.granularity > 1 else ""
+            return f"E{self.experts // self.granularity}{g} top-{self.top_k}"
+        return f"{self.experts} experts top-{self.top_k}"
 
 
 @dataclass(frozen=True)
@@ -51,7 +65,7 @@ class MoePlan:
     def dense_ffn_flops(self) -> int:
         return self.regimes[0].budget.dense_ffn_flops
 
-    def to_dict(self) -> dict:
+    def to_dict(self, processes: int = 8, gpu_bytes: float = 80e9) -> dict:
         s = self.src
         return {
             "source": str(s.path), "model_type": s.model_type, "hidden": s.hidden, "d_ff": s.d_ff,
@@ -59,6 +73,7 @@ class MoePlan:
             "other_params": self.other_params, "dense_params": self.dense_params, "dense_ffn_flops": self.dense_ffn_flops,
             "regimes": [{
                 "name": r.name, "expert_width": r.expert_width, "shared_width": r.shared_width, "exact": r.exact,
+                "experts": r.experts, "top_k": r.top_k, "granularity": r.granularity, "layout": r.layout,
                 "total_params": r.budget.total_params, "active_params": r.budget.active_params,
                 "ffn_flops": r.budget.ffn_flops, "total_ratio": r.budget.total_ratio,
                 "active_ratio": r.budget.active_ratio, "flops_ratio": r.budget.flops_ratio,
@@ -67,6 +82,7 @@ class MoePlan:
             "engines": [{"engine": n.engine, "fails": n.fails, "what": n.what, "fix": n.fix}
                         for n in self.engine_notes()],
             "tuning_memory": self.tuning_memory(),
+            "training_memory": self.training_memory(processes, gpu_bytes),
             "layout": None if self.layout is None else {**dataclasses.asdict(self.layout),
                                                         "quanta": list(self.layout.quanta)},
             "alternatives": self.alternatives,
@@ -91,6 +107,14 @@ class MoePlan:
 
         return memory_table(self.src, self.experts)
 
+    def upcycles(self) -> list[Regime]:
+        return [r for r in self.regimes if r.granularity]
+
+    def training_memory(self, processes: int = 8, gpu_bytes: float = 80e9) -> list[dict]:
+        """Per upcycle regime: next-token training's peak per process on `processes` GPUs, plain and offloaded (with
+        its host memory), and the fewest GPUs of gpu_bytes that hold it (moeify.memory.train_memory, bf16)."""
+        return [upcycle_training(self.src, r, processes, gpu_bytes) for r in self.upcycles()]
+
     def engine_notes(self):
         """What transformers, vLLM and llama.cpp say of the layout `convert` carves (the inference-saving regime),
         written as convert's default would (Mixtral, or Qwen2-MoE with a shared expert or q/k/v biases, Qwen3-MoE
@@ -112,6 +136,49 @@ def non_ffn_params(src: SourceModel) -> int:
     attention = h * q + 2 * h * kv + q * h
     norms = 2 * h + (2 * src.head_dim if src.qk_norm else 0) + (q + 2 * kv if src.qkv_bias else 0)
     return embed + src.n_layers * (attention + norms) + h
+
+
+UPCYCLE_COPIES, UPCYCLE_TOP_K = 8, 2  # `moeify upcycle`'s defaults: max capacity
+FINE_GRANULARITY = 4  # constant compute: E8 G4, top-4 (one copy's worth: dense compute)
+
+
+def upcycle_regimes(src: SourceModel, other: int) -> list[Regime]:
+    """The two upcycles `moeify upcycle` builds: E8 top-2 full width, and E8 fine-grained at dense compute (G4
+    top-4; G2 top-2 where d_ff is not a multiple of 4; none where it is odd)."""
+    regimes = []
+    g = next((g for g in (FINE_GRANULARITY, 2) if src.d_ff % g == 0), None)
+    for name, gran, k in (("max capacity", 1, UPCYCLE_TOP_K), ("constant compute", g, g)):
+        if gran is None:
+            continue
+        n, width = UPCYCLE_COPIES * gran, src.d_ff // gran
+        budget = carve_budget(hidden=src.hidden, d_ff=src.d_ff, n_layers=src.n_layers, other_params=other,
+                              experts=n, top_k=k, expert_width=width, shared_width=0)
+        regimes.append(Regime(name, width, 0, budget, True, n, k, gran))
+    return regimes
+
+
+def upcycle_training(src: SourceModel, r: Regime, processes: int = 8, gpu_bytes: float = 80e9) -> dict:
+    """Training regime r (an upcycle) on GPUs (training_needs), named."""
+    return {"regime": r.name, "layout": r.layout, "total_params": r.budget.total_params,
+            **training_needs(src, r.experts, r.top_k, r.expert_width, 0, processes, gpu_bytes)}
+
+
+def training_needs(src: SourceModel, experts: int, top_k: int, expert_width: int, shared_width: int = 0,
+                   processes: int = 8, gpu_bytes: float = 80e9) -> dict:
+    """Next-token training of an upcycle or merge of src's shape on GPUs: the peak per process on `processes`
+    GPUs, plain and offloaded (and the offloaded run's host memory per process), and the fewest GPUs of gpu_bytes
+    that hold it, plain and offloaded (moeify.memory.train_memory, bf16)."""
+    from .memory import gpus_needed, train_memory, train_windows
+
+    def at(world: int, offload: bool):
+        return train_memory(hidden=src.hidden, n_layers=src.n_layers, heads=src.heads, kv_heads=src.kv_heads,
+                            head_dim=src.head_dim, vocab=src.vocab, tied=src.tied, experts=experts, top_k=top_k,
+                            expert_width=expert_width, shared_width=shared_width, windows=train_windows(world),
+                            world=world, offload=offload)
+
+    plain, off = at(processes, False), at(processes, True)
+    return {"processes": processes, "peak": plain.peak, "offload_peak": off.peak, "offload_host": off.host,
+            "gpu_bytes": gpu_bytes, "gpus_needed": gpus_needed(at, gpu_bytes), "parts": plain.to_dict()}
 
 
 def plan_moe(src: SourceModel, *, experts: int, top_k: int, shared: int = 0,
@@ -141,15 +208,12 @@ def plan_moe(src: SourceModel, *, experts: int, top_k: int, shared: int = 0,
         raise MoeifyError(f"--expert-width must be a positive integer, got {expert_width!r}")
 
     other = non_ffn_params(src)
-    widths = [("max capacity", d_ff, True), ("constant compute", d_ff // (top_k + shared), d_ff % (top_k + shared) == 0),
-              ("inference saving", d_ff // units, True)]
-    if expert_width is not None:
-        widths.append(("custom", expert_width, True))
-    regimes = []
-    for name, width, exact in widths:
+    regimes = upcycle_regimes(src, other)
+    widths = [("inference saving", d_ff // units)] + ([("custom", expert_width)] if expert_width is not None else [])
+    for name, width in widths:
         budget = carve_budget(hidden=src.hidden, d_ff=d_ff, n_layers=src.n_layers, other_params=other,
                               experts=experts, top_k=top_k, expert_width=width, shared_width=shared * width)
-        regimes.append(Regime(name, width, shared * width, budget, exact))
+        regimes.append(Regime(name, width, shared * width, budget, True, experts, top_k))
     return MoePlan(src, experts, top_k, shared, other, regimes)
 
 

@@ -11,6 +11,7 @@ from rich.table import Table
 from .config import CALIB_TOKENS_CAP
 from .budget import active_neuron_share, padded_width
 from .card import active_share_text
+from .memory import HOST_PER_GPU
 from .planning import SERVING_RULES, measured_tradeoff, serving_advice, serving_fit
 
 
@@ -386,8 +387,9 @@ def print_measured_tradeoff(console: Console, measured: list[dict]) -> None:
                   "--serve was measured for comparison; BENCHMARKS.md \"Granularity and shared experts\"", style="dim")
 
 
-def print_moe_plan(console: Console, plan) -> None:
-    """`moeify plan`: total / active parameters and FFN FLOPs of each regime, with ratios to the dense model."""
+def print_moe_plan(console: Console, plan, processes: int = 8, gpu_gb: float = 80) -> None:
+    """`moeify plan`: total / active parameters and FFN FLOPs of each regime, with ratios to the dense model; what
+    training the upcycles takes per GPU on `processes` GPUs, and how many GPUs of gpu_gb GB."""
     s = plan.src
     title = (f"moeify plan: {plan.experts} experts, top-{plan.top_k}" + (f", shared {plan.shared}" if plan.shared else "")
              + f" from {s.path} ({s.model_type}, {s.n_layers} layers, hidden {s.hidden}, d_ff {s.d_ff})")
@@ -395,9 +397,9 @@ def print_moe_plan(console: Console, plan) -> None:
              human_count(plan.dense_ffn_flops), "1.000"]]
     for r in plan.regimes:
         b = r.budget
-        rows.append([r.name, f"{r.expert_width}" + ("" if r.exact else "*"), human_count(b.total_params),
-                     f"{b.total_ratio:.3f}", human_count(b.active_params), f"{b.active_ratio:.3f}",
-                     human_count(b.ffn_flops), f"{b.flops_ratio:.3f}"])
+        rows.append([f"{r.name}\n {r.layout}", f"{r.expert_width}" + ("" if r.exact else "*"),
+                     human_count(b.total_params), f"{b.total_ratio:.3f}", human_count(b.active_params),
+                     f"{b.active_ratio:.3f}", human_count(b.ffn_flops), f"{b.flops_ratio:.3f}"])
     t = _table(title, ["regime", "expert\nwidth", "total\nparams", "×\ndense", "active\nparams\n/ token", "×\ndense",
                        "FFN\nFLOPs\n/ token", "×\ndense"], rows)
     t.rows[0].style = "dim"
@@ -411,8 +413,8 @@ def print_moe_plan(console: Console, plan) -> None:
                   highlight=False)
     if plan.alternatives:
         print_alternatives(console, plan.alternatives)
-    notes = ["expert width: neurons per routed expert (max capacity d_ff, constant compute d_ff/(k+S), inference saving "
-             "d_ff/(N+S), the split `convert` carves)"]
+    notes = ["max capacity and constant compute: what `moeify upcycle` builds (E copies of the FFN in G slices); "
+             "expert width: neurons per routed expert (inference saving d_ff/(N+S), the split `convert` carves)"]
     if plan.shared:
         notes.append(f"plus a shared expert {plan.shared}× that width")
     if not all(r.exact for r in plan.regimes):
@@ -439,8 +441,29 @@ def print_moe_plan(console: Console, plan) -> None:
     console.print("[dim]GPUs: bf16 autocast; across GPUs (torchrun) FSDP2 shards the teacher's layers and the "
                   "student's state; offload (--offload): the student's state in host memory; + host: the machine's "
                   "host memory for it and for the saved state[/]")
+    print_training_memory(console, plan.training_memory(processes, gpu_gb * 1e9), processes, gpu_gb)
     carve = next(r for r in plan.regimes if r.name == "inference saving")
     _print_serving_advice(console, s.d_ff, plan.experts, plan.shared, padded_width(carve.expert_width))
+
+
+def print_training_memory(console: Console, rows: list[dict], processes: int, gpu_gb: float) -> None:
+    """The upcycles' next-token training per GPU (moeify.planning.upcycle_training's rows)."""
+    if not rows:
+        return
+
+    def needed(n) -> str:
+        return "–" if n is None else str(n)
+
+    table = [[f"{r['regime']}\n {r['layout']}", human_count(r["total_params"]), human_bytes(r["peak"]),
+              f"{human_bytes(r['offload_peak'])}\n+{human_bytes(r['offload_host'])} host",
+              needed(r["gpus_needed"]["plain"]), needed(r["gpus_needed"]["offload"])] for r in rows]
+    console.print(_table(f"training an upcycle (moeify tune OUT --tune-text): peak per process on {processes} GPUs",
+                         ["upcycle", "total\nparams", f"{processes} GPUs", f"{processes} GPUs\noffload",
+                          f"{gpu_gb:g} GB\nGPUs\nneeded", "with\noffload"], table))
+    console.print(f"[dim]bf16, FSDP2 (each decoder layer a group), 4,096 tokens a step split across the GPUs; "
+                  f"offload: weights, gradients and AdamW state in host memory ({HOST_PER_GPU / 1e9:.0f} GB a GPU at "
+                  "most); –: no count up to 512 fits (a layer's activations and its gathered weights exceed the GPU); "
+                  "moeify/memory.py's train_memory[/]")
 
 
 def _fit_short(rule, tp: int) -> str:
