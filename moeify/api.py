@@ -131,12 +131,14 @@ def tune(src: str | Path, out: str | Path, tokens: int | None = None, *, resume:
 
 def train(out: str | Path, tokens: int | None = None, *, text: Sequence[str | Path] = (), resume: bool = False,
           restart: bool = False, device: str = "auto", save_every: float = 600.0, progress: Progress | None = None,
-          notify: Callable[[str], None] | None = None, memory_check: bool = True, **options) -> dict:
+          notify: Callable[[str], None] | None = None, memory_check: bool = True, offload: bool = False,
+          timeout: float | None = None, **options) -> dict:
     """Train an output of `upcycle` or `merge` on `text` for `tokens` tokens: next-token loss plus Mixtral's
     load-balancing loss, the expert load recorded as it trains (moeify.tuning.lm); written back to `out` all or
     nothing. Returns the new report.json (its "training" record). options: lr, train_router, train_experts,
     train_attention, aux_loss_coef, seq_len, step_tokens, seed (moeify.tuning.lm.TrainOptions). resume: continue
-    an interrupted run with its own settings (options given must agree)."""
+    an interrupted run with its own settings (options given must agree). Under torchrun the model is sharded
+    across the processes; offload: its state in host memory; timeout: seconds a rank waits for the others."""
     from .tuning.lm import TrainOptions, train_output
 
     given = {k: v for k, v in options.items() if v is not None}
@@ -148,14 +150,15 @@ def train(out: str | Path, tokens: int | None = None, *, text: Sequence[str | Pa
     files = tuple(str(f) for f in text)
     if resume:
         return train_output(out, None, resume=True, device=device, save_every=save_every, progress=progress,
-                            notify=notify, memory_check=memory_check,
+                            notify=notify, memory_check=memory_check, offload=offload, timeout=timeout,
                             given={**given, **({"text": files} if files else {}),
                                    **({"tokens": tokens} if tokens is not None else {})})
     if tokens is None:
         raise MoeifyError("tokens is required (the training budget of this run)",
                           f"e.g. moeify tune {out} --tune-text corpus.txt --tokens 1048576")
     return train_output(out, TrainOptions(tokens=tokens, text=files, **given), restart=restart, device=device,
-                        save_every=save_every, progress=progress, notify=notify, memory_check=memory_check)
+                        save_every=save_every, progress=progress, notify=notify, memory_check=memory_check,
+                        offload=offload, timeout=timeout)
 
 
 def evaluate(models: Sequence[str | Path], data: str | Path | None = None, *, tasks: str | Sequence[str] | None = None,

@@ -100,9 +100,8 @@ def tune_cmd(
             tokens=tokens, text=[*(calib or []), *(tune_text or [])], lr=lr, train_router=tune_router,
             train_attention=tune_attention, router_only=router_only, aux_loss_coef=aux_loss_coef, seed=seed,
             step_tokens=step_tokens, device=device, resume=resume, restart=restart, save_every=save_every,
-            memory_check=memory_check, json_dest=json_dest), dict(
-            tune_generated=tune_generated, schedule=schedule, offload=offload, dry_run=dry_run or None,
-            timeout=timeout))
+            memory_check=memory_check, offload=bool(offload), timeout=timeout, json_dest=json_dest), dict(
+            tune_generated=tune_generated, schedule=schedule, dry_run=dry_run or None))
     if router_only or aux_loss_coef is not None:
         _fail(MoeifyError(f"--{'router-only' if router_only else 'aux-loss-coef'} is for an output of moeify upcycle "
                           f"or merge; {out} is a carve", "a carve's routers and experts tune together: "

@@ -239,56 +239,84 @@ def merge_cmd(
         _interrupted()
 
 
-NOT_FOR_TRAINING = {"tune_generated": "--tune-generated", "schedule": "--schedule", "offload": "--offload",
-                    "dry_run": "--dry-run", "timeout": "--timeout"}
+NOT_FOR_TRAINING = {"tune_generated": "--tune-generated", "schedule": "--schedule", "dry_run": "--dry-run"}
 
 
 def train_cmd(out: Path, src: Optional[Path], args: dict, refused: dict) -> None:
-    """`moeify tune OUT` on an output of upcycle or merge: next-token training (moeify.api.train)."""
+    """`moeify tune OUT` on an output of upcycle or merge: next-token training (moeify.api.train); under torchrun
+    every rank trains and rank 0 reports (a rank that lost the others says so itself)."""
+    import os
+
+    from .errors import ParallelError
+
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        _train(out, src, args, refused, rank)
+    except ParallelError as exc:
+        console.print(f"[bold red]error:[/] rank {rank}: {escape(str(exc))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
+    except MoeifyError as exc:
+        if rank:  # rank 0 says it (every rank refuses what any refuses)
+            raise typer.Exit(2)
+        fail(exc)
+    except (KeyboardInterrupt, Exception) as exc:
+        from .tuning import TuningInterrupted
+
+        if not isinstance(exc, (KeyboardInterrupt, TuningInterrupted)):
+            raise
+        if rank:
+            raise typer.Exit(130)
+        _training_interrupted(out)
+
+
+def _train(out: Path, src: Optional[Path], args: dict, refused: dict, rank: int) -> None:
     from .api import train
     from .report import print_training
-    from .tuning import TuningInterrupted, TuningState, state_dir
 
     json_dest = args.pop("json_dest")
-    try:
-        flag = next((NOT_FOR_TRAINING[k] for k, v in refused.items() if v is not None), None)
-        if flag:
-            raise MoeifyError(f"{flag} is for tuning a carve towards its dense source; {out} is an upcycled or "
-                              "merged output, trained on text", f"drop {flag}")
-        from .tuning.lm import is_trainable_output
+    flag = next((NOT_FOR_TRAINING[k] for k, v in refused.items() if v is not None), None)
+    if flag:
+        raise MoeifyError(f"{flag} is for tuning a carve towards its dense source; {out} is an upcycled or "
+                          "merged output, trained on text", f"drop {flag}")
+    from .tuning.lm import is_trainable_output
 
-        if not is_trainable_output(out):
-            raise MoeifyError(f"{out} is not an output of moeify upcycle or moeify merge",
-                              "a carve is tuned towards its dense source: moeify tune SRC OUT --tokens N")
-        if src is not None:
-            console.print(f"[yellow]{escape(str(out))} trains on text alone (next-token loss); {escape(str(src))} "
-                          "is not read[/]", highlight=False, soft_wrap=True)
-        router_only = args.pop("router_only")
-        text = args.pop("text")
-        if router_only:
-            args["train_experts"] = False
-        run = {k: args.pop(k) for k in ("resume", "restart", "device", "save_every", "memory_check")}
-        tokens = args.pop("tokens")
-        if tokens is None and not run["resume"]:
-            raise MoeifyError("--tokens is required (the training budget of this run)",
-                              f"e.g. moeify tune {out} --tune-text corpus.txt --tokens 1048576")
-        with progress_bars() as bar:
-            report = train(out, tokens, text=text, progress=stage_callback(bar), **run,
-                           notify=lambda msg: console.print(f"[yellow]{escape(msg)}[/]", highlight=False), **args)
-        print_training(tables(json_dest), report, out)
-        if json_dest:
-            write_json(report, json_dest)
-    except MoeifyError as exc:
-        fail(exc)
-    except (TuningInterrupted, KeyboardInterrupt):
-        done = TuningState(state_dir(out)).progress()
-        if done is None:
-            console.print(f"[bold red]interrupted[/]: {escape(str(out))} was left as it was")
-            raise typer.Exit(130)
-        console.print(f"[bold red]interrupted[/]: training saved at step {done[0]:,} of {done[1]:,} in "
-                      f"{escape(str(state_dir(out)))}; continue it with:\n  moeify tune {escape(str(out))} --resume",
-                      highlight=False, soft_wrap=True)
+    if not is_trainable_output(out):
+        raise MoeifyError(f"{out} is not an output of moeify upcycle or moeify merge",
+                          "a carve is tuned towards its dense source: moeify tune SRC OUT --tokens N")
+    if src is not None and not rank:
+        console.print(f"[yellow]{escape(str(out))} trains on text alone (next-token loss); {escape(str(src))} "
+                      "is not read[/]", highlight=False, soft_wrap=True)
+    if args.pop("router_only"):
+        args["train_experts"] = False
+    text = args.pop("text")
+    run = {k: args.pop(k) for k in ("resume", "restart", "device", "save_every", "memory_check", "offload",
+                                    "timeout")}
+    tokens = args.pop("tokens")
+    if tokens is None and not run["resume"]:
+        raise MoeifyError("--tokens is required (the training budget of this run)",
+                          f"e.g. moeify tune {out} --tune-text corpus.txt --tokens 1048576")
+    if rank:  # a process of a torchrun / accelerate launch other than the first: rank 0 reports
+        train(out, tokens, text=text, **run, **args)
+        return
+    with progress_bars() as bar:
+        report = train(out, tokens, text=text, progress=stage_callback(bar), **run,
+                       notify=lambda msg: console.print(f"[yellow]{escape(msg)}[/]", highlight=False), **args)
+    print_training(tables(json_dest), report, out)
+    if json_dest:
+        write_json(report, json_dest)
+
+
+def _training_interrupted(out: Path) -> None:
+    from .tuning import TuningState, state_dir
+
+    done = TuningState(state_dir(out)).progress()
+    if done is None:
+        console.print(f"[bold red]interrupted[/]: {escape(str(out))} was left as it was")
         raise typer.Exit(130)
+    console.print(f"[bold red]interrupted[/]: training saved at step {done[0]:,} of {done[1]:,} in "
+                  f"{escape(str(state_dir(out)))}; continue it with:\n  moeify tune {escape(str(out))} --resume",
+                  highlight=False, soft_wrap=True)
+    raise typer.Exit(130)
 
 
 __all__ = ["upcycle_cmd", "merge_cmd", "train_cmd"]

@@ -3,8 +3,8 @@ torchrun as `torchrun --nproc-per-node 2 tests/held_back.py tune SRC OUT ...`.
 
 MOEIFY_TEST_HOLD lists what to do, entries separated by ';', each RANK|PHASE|WHAT[|before]:
 - PHASE: a phase the ranks meet at (moeify.parallel.Parallel.arrive: 'the tuning text', 'the teacher pass',
-  'the tuning loop', 'saving a snapshot', 'writing the output', ...), or 'step N' (the N-th training step, counted
-  from 1 in this process);
+  'the tuning loop', 'the training loop', 'saving a snapshot', 'writing the output', ...), or 'step N' (the N-th
+  training step, counted from 1 in this process: a carve's tuning step or an upcycle's training step);
 - WHAT: seconds to sleep there, 'forever', or 'kill' (SIGKILL of this rank);
 - at a phase the hold is after this rank arrived (the others go on into the phase first: the races a late rank
   meets), or before it arrives with '|before' (the others wait for it).
@@ -62,16 +62,23 @@ def main() -> None:
             return _hold(mine[2])
         return arrive(self, phase, then)
 
-    def held_kl(*args, **kwargs):
-        steps[0] += 1
-        mine = next((e for e in todo if e[1] == f"step {steps[0]}"), None)
-        if mine is not None:
-            todo.remove(mine)
-            _hold(mine[2])
-        return kl(*args, **kwargs)
+    def held(step_fn):
+        def held_step(*args, **kwargs):
+            steps[0] += 1
+            mine = next((e for e in todo if e[1] == f"step {steps[0]}"), None)
+            if mine is not None:
+                todo.remove(mine)
+                _hold(mine[2])
+            return step_fn(*args, **kwargs)
+        return held_step
+
+    held_kl = held(kl)
 
     parallel.Parallel.arrive = held_arrive
     distill.accumulate_kl = held_kl
+    import moeify.tuning.lm_loop as lm_loop  # next-token training's step (an upcycle or merge): held the same way
+
+    lm_loop.train_step = held(lm_loop.train_step)
     refuse = os.environ.get("MOEIFY_TEST_REFUSE", "")  # RANK|MESSAGE: that rank alone refuses its inputs
     if refuse.split("|")[0] == rank:
         import moeify.tuning.run as run_module

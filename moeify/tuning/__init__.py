@@ -22,7 +22,10 @@ contracts check it):
     options.py   what a run is asked to do (TuneOptions) and the interruption a signal turns into
 
     lm.py        beside run.py: next-token training of an upcycled or merged output (`moeify tune OUT`), with
-                 Mixtral's load-balancing loss and the expert load reported; the same state directory and signals
+                 Mixtral's load-balancing loss and the expert load reported; the same state directory, signals
+                 and processes (torchrun: checks agreed, phases met, rank 0 writing)
+    lm_loop.py   beside sizing.py: its loop (the model whole or sharded by FSDP2, windows split by rank, the
+                 load summed over the ranks, snapshots)
     lm_options.py  beside options.py: what such a run is asked to do (TrainOptions) and its routing measures
 
 Resumable: the run's whole state lives in `OUT.moeify-tune/` (state.py describes its files), saved atomically;

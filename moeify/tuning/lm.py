@@ -16,8 +16,13 @@ As it trains it reports the expert load: per layer the largest expert's share ag
 experts that get under a tenth of the uniform share ("starved": a collapsing router); report.json keeps the curve.
 Resumable as tune is: the state (trainable weights, Adam moments, the window stream's position) is saved to
 OUT.moeify-tune/ every --save-every seconds and on Ctrl-C / SIGTERM, and --resume ends with the weights an
-uninterrupted run would have (same machine and thread count). The output is written back all or nothing, in its own
-dtype and tensor names (checked against the base's).
+uninterrupted run would have (same machine, thread count and number of processes). The output is written back all or
+nothing, in its own dtype and tensor names (checked against the base's).
+
+Across processes (torchrun, accelerate launch) it runs as carve tuning does (moeify.parallel): every rank checks the
+inputs and one rank's refusal is every rank's, the ranks meet at each phase within the collective timeout, rank 0
+writes the state and the output; the model is sharded by FSDP2 and each step's windows are split by rank
+(moeify.tuning.lm_loop). This module: the run's checks and state directory, and the output written.
 """
 
 from __future__ import annotations
@@ -25,19 +30,17 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import math
 import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ..checkpoint import CheckpointReader
 from ..errors import MoeifyError
 from ..writer import check_free_space, commit_output, prepare_output
-from .lm_options import HOLD_OUT, TrainOptions, _counts, balance, is_trainable_output, load_summary
+from .lm_options import HOLD_OUT, TrainOptions, balance, is_trainable_output, load_summary, moe_shape
 from .options import Progress
 from .state import (
     STATE_VERSION,
@@ -51,23 +54,6 @@ from .state import (
     read_snapshot,
     state_dir,
 )
-
-
-def _selected(name: str, opts: TrainOptions) -> bool:
-    if ".layers." not in name:
-        return False  # embeddings, the head and the final norm stay as they are
-    router = name.endswith((".mlp.gate.weight", "shared_expert_gate.weight"))
-    if router:
-        return opts.train_router
-    if ".mlp." in name:
-        return opts.train_experts
-    return opts.train_attention  # attention projections (and q/k norms) and the layer's two norms
-
-
-def _base_lr(p: torch.Tensor, rel: float) -> float:
-    """rel × the tensor's RMS; a tensor that starts at zero steps by rel / sqrt(fan-in) (a standard init's scale)."""
-    rms = p.detach().float().pow(2).mean().sqrt().item()
-    return rel * (rms if rms > 0 else p.shape[-1] ** -0.5)
 
 
 def _windows(out: Path, opts: TrainOptions, max_len: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -116,19 +102,35 @@ def _check_resume(root: Path, out: Path, opts: TrainOptions | None, given: dict 
 def train_output(out: str | Path, opts: TrainOptions | None = None, *, resume: bool = False, restart: bool = False,
                  device: str = "auto", save_every: float = 600.0, progress: Progress | None = None,
                  notify: Callable[[str], None] | None = None, given: dict | None = None,
-                 memory_check: bool = True) -> dict:
+                 memory_check: bool = True, offload: bool = False, timeout: float | None = None) -> dict:
     """Train the upcycled or merged output OUT on next-token prediction plus the load-balancing loss and write it
     back all or nothing. Returns the new report.json (its "training" record). resume: continue the interrupted run
-    in OUT.moeify-tune/ (its own options; `given` must agree); restart: discard such a state."""
-    import os
-
+    in OUT.moeify-tune/ (its own options; `given` must agree); restart: discard such a state. Under torchrun (or
+    accelerate launch) the model is sharded across the processes (moeify.tuning.lm_loop); offload: its weights,
+    gradients and AdamW state in host memory (FSDP2 CPU offload). timeout: across processes, the seconds a rank
+    waits for the others (moeify.parallel.collective_timeout)."""
     from ..numerics import resolve_device
+    from ..parallel import setup
 
     out = Path(out)
-    root = state_dir(out)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise MoeifyError("next-token training of an upcycled or merged output runs in one process",
-                          "run it without torchrun / accelerate launch")
+    par = setup(resolve_device(device), timeout)
+    par.resume_hint = f"moeify tune {out} --resume"
+    try:
+        return _train_across(out, par, opts, resume=resume, restart=restart, save_every=save_every,
+                             progress=progress if par.main else None, notify=notify if par.main else None,
+                             given=given, memory_check=memory_check, offload=offload)
+    except RuntimeError as exc:
+        failed = par.failure(exc)
+        if failed is None:
+            raise
+        raise failed from None
+    finally:
+        par.close()
+
+
+def _check(out: Path, root: Path, par, opts: TrainOptions | None, resume: bool, restart: bool, given: dict | None,
+           memory_check: bool, offload: bool):
+    """Every refusal of a run, before any work, on every rank: (options, training and held-out windows, seq)."""
     if resume and restart:
         raise MoeifyError("--resume and --restart contradict each other", "pass one of them")
     if not is_trainable_output(out):
@@ -136,6 +138,11 @@ def train_output(out: str | Path, opts: TrainOptions | None = None, *, resume: b
                           "a carve is tuned towards its dense source: moeify tune SRC OUT --tokens N")
     if resume:
         opts = _check_resume(root, out, opts, given)
+        world = _json_file(root / "run.json").get("world_size", 1)
+        if world != par.world:
+            raise MoeifyError(f"{root} was saved by a run across {world} process(es); this one has {par.world}",
+                              "resume with the same number of processes (the windows are split by rank), or start "
+                              "anew with --restart")
     else:
         if opts is None:
             raise MoeifyError("--tokens is required", "e.g. --tokens 1048576")
@@ -143,176 +150,113 @@ def train_output(out: str | Path, opts: TrainOptions | None = None, *, resume: b
         if (root / "run.json").exists() and not restart:
             raise MoeifyError(f"{out} has an interrupted run in {root}",
                               f"continue it with: moeify tune {out} --resume; or pass --restart to discard it")
-    dev = resolve_device(device)
-    report = json.loads((out / "report.json").read_text())
     config = json.loads((out / "config.json").read_text())
-    params = int(report.get("total_params") or 0)
-    trainable_share = 1.0 if opts.train_experts else 0.05
-    need = params * (4 + 12 * trainable_share)  # float32 weights; gradients and two Adam moments of what trains
-    from ..memory import device_memory
-
-    have = device_memory(dev)
-    if memory_check and have and need > have:
-        raise MoeifyError(f"training {out} needs about {need / 1e9:.1f} GB ({params / 1e6:.0f}M parameters in "
-                          f"float32, Adam on what trains); this {dev} has {have / 1e9:.1f} GB",
-                          "train the routers alone (--router-only), use a larger machine, or --no-memory-check")
+    seq = min(opts.seq_len, int(config.get("max_position_embeddings") or opts.seq_len))
+    if (opts.step_tokens // seq) % par.world:
+        raise MoeifyError(f"--step-tokens {opts.step_tokens} makes {opts.step_tokens // seq} windows of {seq} tokens "
+                          f"a step, which {par.world} processes cannot share evenly",
+                          f"use a multiple of {par.world * seq}, e.g. --step-tokens {par.world * seq * 8}")
+    if memory_check:
+        check_memory(out, config, opts, seq, par, offload)
     train, held, seq = _windows(out, opts, int(config.get("max_position_embeddings") or opts.seq_len))
-    check_free_space(out, sum(f.stat().st_size for f in out.glob("*.safetensors")), overwrite=True)
-    if not resume:
-        if restart and root.exists():
-            shutil.rmtree(root)
-        root.mkdir(parents=True, exist_ok=True)
-        _lock(root)
-        _atomic_write(root / "run.json", json.dumps({
-            "version": STATE_VERSION, "objective": "next-token", "created": time.time(),
-            "base_fingerprint": base_fingerprint(out), "options": dataclasses.asdict(opts)}).encode())
-    else:
-        _lock(root)
-    state = TuningState(root, save_every)
-    with _stop_on_signal(state, notify):
-        model, info = _train(out, opts, train, held, seq, dev, state, progress)
-    info["text"] = {"files": [str(f) for f in opts.text], "train_windows": int(train.shape[0]),
-                    "held_out_windows": int(held.shape[0]), "seq_len": seq}
-    return _write(out, root, model, report, info, opts)
+    if par.main:
+        check_free_space(out, sum(f.stat().st_size for f in out.glob("*.safetensors")), overwrite=True)
+    return opts, train, held, seq
 
 
-def _train(out: Path, opts: TrainOptions, train: torch.Tensor, held: torch.Tensor, seq: int, dev: str,
-           state: TuningState, progress: Progress | None):
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
+def check_memory(out: Path, config: dict, opts: TrainOptions, seq: int, par, offload: bool) -> None:
+    """Refuse a run whose predicted peak per process (moeify.memory.train_memory, from OUT's config) exceeds the
+    device's memory, naming how many processes would hold it."""
+    from ..memory import PROCESS_COUNTS, device_memory
 
-    from ..distill import WindowStream
+    have = device_memory(par.device)
+    mem = predicted_memory(config, opts, seq, par.device, par.world, offload)
+    if not have or mem.peak <= have:
+        return
+    fits = next((g for g in PROCESS_COUNTS if predicted_memory(config, opts, seq, par.device, g, offload).peak
+                 <= have), None)
+    hint = (f"run it across {fits} processes: torchrun --nproc-per-node {fits} -m moeify tune {out} ..."
+            if fits and fits > par.world else "train the routers alone (--router-only), or use a larger machine")
+    raise MoeifyError(f"training {out} needs about {mem.peak / 1e9:.1f} GB a process on {par.device} across "
+                      f"{par.world} process(es) (predicted: moeify/memory.py's train_memory), and it has "
+                      f"{have / 1e9:.1f} GB", f"{hint}; or --no-memory-check")
+
+
+def predicted_memory(config: dict, opts: TrainOptions, seq: int, dev: str, world: int = 1, offload: bool = False):
+    """moeify.memory.train_memory of this run (OUT's config, the options, the windows a forward on each process)."""
+    from ..memory import train_memory
     from ..numerics import tuning_autocast
 
-    hf_logging.disable_progress_bar()  # the run's own bar is on screen
-    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).to(dev)
-    model.eval()  # no dropout; the router's jitter off: a step is a function of the weights and the windows
-    n, k = _counts(model.config)
-    coef = opts.aux_loss_coef if opts.aux_loss_coef is not None else float(
-        getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)
-    named = [(name, p) for name, p in model.named_parameters() if _selected(name, opts)]
-    for p in model.parameters():
-        p.requires_grad_(False)
-    for _, p in named:
-        p.requires_grad_(True)
-    params = [p for _, p in named]
-    per_step = max(1, opts.step_tokens // seq)
-    total = max(1, math.ceil(opts.tokens / (per_step * seq)))
-    warm = min(total, max(5, total // 20))  # Adam's first steps move every weight by the whole step: warm up
-    micro = per_step if dev.startswith("cuda") else 1  # windows a forward
-    ctx = tuning_autocast(dev, "auto")[0]
-    stream = WindowStream(train, opts.seed)
-    saved = state.load()
-    if saved is not None:
-        tensors, meta = saved
-        base_lrs = list(meta["base_lrs"])
-        with torch.no_grad():
-            for j, p in enumerate(params):
-                p.copy_(tensors[f"param.{j}"].to(p.device, p.dtype))
-        stream.load_state({"stream.gen": tensors["stream.gen"], "stream.order": tensors["stream.order"]}, meta)
-        start, curve, before = int(meta["step"]), list(meta["curve"]), dict(meta["before"])
-        window = list(meta["window"])  # the curve's current interval: loss, balance, steps, and its counts
-        window.insert(2, tensors["window.counts"].to(dev) if "window.counts" in tensors else 0)
-    else:
-        base_lrs = [_base_lr(p, opts.lr) for p in params]
-        start, curve, before, window = 0, [], None, [0.0, 0.0, 0, 0]
-    opt = torch.optim.AdamW([{"params": [p], "lr": lr} for p, lr in zip(params, base_lrs)], betas=(0.9, 0.95),
-                            eps=1e-8, weight_decay=0.0)
-    if saved is not None:
-        tensors = saved[0]
-        opt.load_state_dict({"state": {j: {"step": tensors[f"opt.{j}.step"],
-                                           "exp_avg": tensors[f"opt.{j}.exp_avg"].to(p.device),
-                                           "exp_avg_sq": tensors[f"opt.{j}.exp_avg_sq"].to(p.device)}
-                                       for j, p in enumerate(params) if f"opt.{j}.step" in tensors},
-                             "param_groups": meta["param_groups"]})
-
-    def lr_at(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
-
-    def forward(ids: torch.Tensor):
-        with ctx:
-            res = model(input_ids=ids.to(dev), output_router_logits=True)
-        ce = F.cross_entropy(res.logits[:, :-1].float().reshape(-1, res.logits.shape[-1]), ids[:, 1:].reshape(-1).to(dev))
-        aux, counts = balance(res.router_logits, n, k)
-        return ce, aux, counts
-
-    def evaluate() -> dict:
-        with torch.no_grad():
-            ces, auxes, counts = [], [], 0
-            for i in range(held.shape[0]):
-                ce, aux, c = forward(held[i:i + 1])
-                ces.append(ce.item())
-                auxes.append(aux.item())
-                counts = counts + c
-        loss = sum(ces) / len(ces)
-        return {"loss": round(loss, 5), "perplexity": round(math.exp(loss), 4),
-                "balance": round(sum(auxes) / len(auxes), 5), **load_summary(counts)}
-
-    def snapshot() -> tuple[dict, dict]:
-        st = opt.state_dict()
-        tensors = {f"param.{j}": p.detach().cpu().contiguous() for j, p in enumerate(params)}
-        for j, s in st["state"].items():
-            tensors[f"opt.{j}.step"] = s["step"].detach().cpu().reshape(1) if torch.is_tensor(s["step"]) else \
-                torch.tensor([float(s["step"])])
-            tensors[f"opt.{j}.exp_avg"] = s["exp_avg"].detach().cpu().contiguous()
-            tensors[f"opt.{j}.exp_avg_sq"] = s["exp_avg_sq"].detach().cpu().contiguous()
-        gen, _ = stream.state()
-        tensors.update({k: v.contiguous() for k, v in gen.items()})
-        if torch.is_tensor(window_counts):
-            tensors["window.counts"] = window_counts.cpu().contiguous()
-        meta = {"step": step + 1, "total": total, "base_lrs": base_lrs, "param_groups": st["param_groups"],
-                "curve": curve, "before": before, "pos": stream.pos, "passes": stream.passes,
-                "window": [window_loss, window_aux, window_steps]}
-        return tensors, meta
-
-    t0 = time.time()
-    if before is None:
-        before = evaluate()
-    every = max(1, total // 20)  # points on the curve kept in report.json
-    window_loss, window_aux, window_counts, window_steps = window
-    step = start - 1
-    for step in range(start, total):
-        for g, lr in zip(opt.param_groups, base_lrs):
-            g["lr"] = lr * lr_at(step)
-        batch = stream.take(per_step)
-        for s in range(0, per_step, micro):
-            ce, aux, counts = forward(batch[s:s + micro])
-            ((ce + coef * aux) * (batch[s:s + micro].shape[0] / per_step)).backward()
-            window_loss += ce.item() / (per_step // micro)
-            window_aux += aux.item() / (per_step // micro)
-            window_counts = window_counts + counts
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        window_steps += 1
-        if (step + 1) % every == 0 or step + 1 == total:
-            load = load_summary(window_counts)
-            curve.append({"step": step + 1, "tokens": (step + 1) * per_step * seq,
-                          "loss": round(window_loss / window_steps, 5), "balance": round(window_aux / window_steps, 5),
-                          "max_load": load["max_load"], "starved": load["starved"]})
-            window_loss, window_aux, window_counts, window_steps = 0.0, 0.0, 0, 0
-        if progress:
-            last = curve[-1] if curve else None
-            note = (f"loss {last['loss']:.3f}, max load {last['max_load']:.1f}x, {last['starved']} starved"
-                    if last else "")
-            progress("training", (step + 1) * per_step * seq, total * per_step * seq, note)
-        state.checkpoint(step + 1, total, snapshot)
-    after = evaluate()
-    info = {"objective": "next-token + load balancing", "tokens": total * per_step * seq, "steps": total,
-            "step_tokens": per_step * seq, "aux_loss_coef": coef, "lr": opts.lr,
-            "trained": [t for t, on in (("router", opts.train_router), ("experts", opts.train_experts),
-                                        ("attention", opts.train_attention)) if on],
-            "trained_params": sum(p.numel() for p in params), "seconds": round(time.time() - t0, 1),
-            "resumed": start > 0, "device": dev, "held_out_before": before, "held_out_after": after, "curve": curve,
-            "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    return model, info
+    per_rank = max(1, opts.step_tokens // seq // world)
+    return train_memory(**moe_shape(config), seq=seq, windows=per_rank if dev.startswith("cuda") else 1,
+                        world=world, offload=offload, device=dev, bf16=tuning_autocast(dev, "auto")[1],
+                        train_router=opts.train_router, train_experts=opts.train_experts,
+                        train_attention=opts.train_attention)
 
 
-def _write(out: Path, root: Path, model, report: dict, info: dict, opts: TrainOptions) -> dict:
+def _begin(root: Path, out: Path, opts: TrainOptions, resume: bool, restart: bool, world: int) -> None:
+    """The state directory (rank 0): locked, and for a new run emptied and described in run.json."""
+    if resume:
+        _lock(root)
+        return
+    if restart and root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True, exist_ok=True)
+    _lock(root)
+    _atomic_write(root / "run.json", json.dumps({
+        "version": STATE_VERSION, "objective": "next-token", "created": time.time(), "world_size": world,
+        "base_fingerprint": base_fingerprint(out), "options": dataclasses.asdict(opts)}).encode())
+
+
+def _train_across(out: Path, par, opts: TrainOptions | None, *, resume: bool, restart: bool, save_every: float,
+                  progress, notify, given: dict | None, memory_check: bool, offload: bool) -> dict:
+    """train_output's run on every rank (one, or each of a torchrun's): its checks agreed, rank 0 writing."""
+    from ..numerics import tuning_autocast
+    from .lm_loop import load_model, train_model
+
+    root = state_dir(out)
+    opts, train, held, seq = par.agree(lambda: _check(out, root, par, opts, resume, restart, given, memory_check,
+                                                      offload), "checking the inputs")
+    par.agree(lambda: par.main and _begin(root, out, opts, resume, restart, par.world), "beginning the state directory")
+    if offload:
+        from ..parallel import with_offload
+
+        par = with_offload(par)
+    report = json.loads((out / "report.json").read_text())
+    bf16 = tuning_autocast(par.device, "auto")[1]
+    model = par.agree(lambda: load_model(out, par.device, par, opts, bf16), "loading the model")
+    state = TuningState(root, save_every, par)
+    with _stop_on_signal(state, notify):
+        info = train_model(model, opts, train, held, seq, par.device, state, progress, par, bf16)
+    info["text"] = {"files": [str(f) for f in opts.text], "train_windows": int(train.shape[0]),
+                    "held_out_windows": int(held.shape[0]), "seq_len": seq}
+    from .sizing import peak_memory
+
+    info["peak_bytes"], info["peak_what"] = peak_memory(par.device)
+    info["predicted_peak_bytes"] = predicted_memory(json.loads((out / "config.json").read_text()), opts, seq,
+                                                    par.device, par.world, bool(par.offload)).peak
+    par.arrive("writing the output")
+    return _write(out, root, model, report, info, opts, par)
+
+
+def _gathered(model, dtype: torch.dtype, par) -> dict | None:
+    """A sharded model's whole state in OUT's dtype, one tensor gathered at a time (a collective: every rank calls
+    it), on rank 0 (None on the others)."""
+    from ..parallel import full
+
+    whole = {}
+    for name, t in model.state_dict().items():
+        value = full(t.detach())
+        if par.main:
+            whole[name] = value.to("cpu", dtype)
+        del value
+    return whole if par.main else None
+
+
+def _write(out: Path, root: Path, model, report: dict, info: dict, opts: TrainOptions, par) -> dict:
     """The trained weights in OUT's dtype and tensor names (transformers' own saving, checked against the base's
-    names, shapes and dtypes), OUT's config, tokenizer and files, report.json with the run, the card: all or nothing."""
+    names, shapes and dtypes), OUT's config, tokenizer and files, report.json with the run, the card: all or nothing.
+    A sharded model is gathered to rank 0, which writes; the others return without waiting for it."""
     from ..card import write as write_card
 
     base = CheckpointReader(out)
@@ -321,6 +265,9 @@ def _write(out: Path, root: Path, model, report: dict, info: dict, opts: TrainOp
         expected = {name: (tuple(t.shape), t.dtype) for name, t in base.tensors.items()}
     finally:
         base.close()
+    whole = _gathered(model, dtype, par) if par.sharded else None
+    if not par.main:
+        return report
     report = copy.deepcopy(report)
     runs = list(report.get("training", {}).get("runs", [])) + [info]
     report["training"] = {"tokens": sum(r["tokens"] for r in runs), "seconds": round(sum(r["seconds"] for r in runs), 1),
@@ -328,7 +275,10 @@ def _write(out: Path, root: Path, model, report: dict, info: dict, opts: TrainOp
     tmp = prepare_output(out, overwrite=True)
     try:
         weights = tmp / "weights"
-        model.to(dtype).save_pretrained(weights, safe_serialization=True, max_shard_size="5GB")
+        if whole is None:
+            model.to(dtype).save_pretrained(weights, safe_serialization=True, max_shard_size="5GB")
+        else:
+            model.save_pretrained(weights, state_dict=whole, safe_serialization=True, max_shard_size="5GB")
         written = CheckpointReader(weights)
         try:
             got = {name: (tuple(t.shape), t.dtype) for name, t in written.tensors.items()}

@@ -69,6 +69,19 @@ def _counts(config) -> tuple[int, int]:
     return int(n), int(config.num_experts_per_tok)
 
 
+def moe_shape(config: dict) -> dict:
+    """The shape moeify.memory.train_memory takes, from a Mixtral / Qwen2-MoE / Qwen3-MoE config.json."""
+    h, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    return {"hidden": h, "n_layers": int(config["num_hidden_layers"]), "heads": heads,
+            "kv_heads": int(config.get("num_key_value_heads") or heads),
+            "head_dim": int(config.get("head_dim") or h // heads), "vocab": int(config["vocab_size"]),
+            "tied": bool(config.get("tie_word_embeddings", False)), "experts": int(experts),
+            "top_k": int(config["num_experts_per_tok"]),
+            "expert_width": int(config.get("moe_intermediate_size") or config["intermediate_size"]),
+            "shared_width": int(config.get("shared_expert_intermediate_size") or 0)}
+
+
 def balance(router_logits, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Mixtral's load-balancing loss of one forward, averaged over the layers (N · Σᵢ fᵢ Pᵢ a layer, k when the
     load is uniform), and each layer's top-k counts per expert, (layers, N)."""
@@ -93,4 +106,5 @@ def load_summary(counts: torch.Tensor) -> dict:
             "per_layer_max": [round(float(v), 3) for v in share.max(1).values]}
 
 
-__all__ = ["CONSTRUCTIONS", "HOLD_OUT", "STARVED", "TrainOptions", "balance", "is_trainable_output", "load_summary"]
+__all__ = ["CONSTRUCTIONS", "HOLD_OUT", "STARVED", "TrainOptions", "balance", "is_trainable_output", "load_summary",
+           "moe_shape"]

@@ -1,0 +1,172 @@
+"""`moeify tune OUT --tune-text` on an upcycle or merge across processes (torchrun, 2 CPU processes, gloo): the model
+sharded by FSDP2, each step's windows split by rank. Two processes end where one does on the same tokens (float32:
+the relative difference of every tensor's update), for a full-width upcycle, a fine-grained one and a merge; the
+expert load of the curve is counted over both ranks' tokens; a rank killed mid-run, then --resume, ends with the
+uninterrupted run's weights; a rank held back at each phase finishes with them; a rank that never arrives ends the
+other within the timeout. The ranks are held back by tests/held_back.py."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import build_dense, built_once, corpus_text, read_json
+
+HELD_BACK = Path(__file__).with_name("held_back.py")
+# 5 steps of 2 windows of 128 tokens (the tiny models' max_position_embeddings), a snapshot after every step
+FLAGS = ["--tokens", "1280", "--lr", "0.03", "--step-tokens", "256", "--save-every", "0"]
+PHASES = ["checking the inputs", "loading the model", "the training loop", "saving a snapshot", "writing the output"]
+UPDATE_RTOL = 1e-4  # float32 sums in another order (gloo's reduce-scatter, the per-rank backward): ~1e-6 measured
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory, tokenizer_dir):
+    """A full-width upcycle (E4 top-2), a fine-grained one (E4 G2 top-2) and a merge of two sources, in float32,
+    each trained by one process (the reference) and by two; read-only."""
+    def build(root: Path) -> None:
+        import moeify
+        from moeify.upcycling import UpcycleSettings, plan_upcycle, run_upcycle
+
+        (root / "train.txt").write_text(corpus_text(12000))
+        dense = build_dense(root / "dense", tokenizer_dir)
+        for name, g in (("full", 1), ("fine", 2)):
+            run_upcycle(plan_upcycle(dense, UpcycleSettings(copies=4, granularity=g, top_k=2, symmetry="noise",
+                                                            dtype="float32")), root / name)
+        other = build_dense(root / "other", tokenizer_dir, seed=1)
+        moeify.merge([dense, other], root / "merge", dtype="float32")
+        for name in ("full", "fine", "merge"):
+            for runner, to in ((_one, "one"), (_two, "two")):
+                out = _copy(root / name, root / f"{name}-{to}")
+                res = runner(["tune", str(out), "--tune-text", str(root / "train.txt"), *FLAGS])
+                assert res.returncode == 0, res.stderr[-3000:]
+
+    return built_once(tmp_path_factory, "train-processes", build)
+
+
+def _env(hold: str = "", **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOEIFY_")}
+    return {**env, "OMP_NUM_THREADS": "1", "MOEIFY_AUTOCAST": "off", "MOEIFY_TEST_HOLD": hold, **extra}
+
+
+def _copy(src: Path, to: Path) -> Path:
+    shutil.copytree(src, to)
+    return to
+
+
+def _one(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "moeify", *args], env=_env(), capture_output=True, text=True,
+                          timeout=600)
+
+
+def _two_cmd(args: list[str], launcher: tuple[str, ...] = ()) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *launcher,
+            str(HELD_BACK), *args]
+
+
+def _two(args: list[str], hold: str = "", launcher: tuple[str, ...] = (), **env) -> subprocess.CompletedProcess:
+    return subprocess.run(_two_cmd(args, launcher), env=_env(hold, **env), capture_output=True, text=True,
+                          timeout=600)
+
+
+def _weights(out: Path) -> dict:
+    return {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
+def _update_differences(base: Path, a: Path, b: Path) -> dict[str, float]:
+    """Per tensor that trained: |update_a - update_b| / |update_a| (Frobenius norms)."""
+    w0, wa, wb = _weights(base), _weights(a), _weights(b)
+    diffs = {}
+    for k in w0:
+        da, db = wa[k].double() - w0[k].double(), wb[k].double() - w0[k].double()
+        if da.norm() > 0:
+            diffs[k] = ((da - db).norm() / da.norm()).item()
+    return diffs
+
+
+@pytest.mark.parametrize("name", ["full", "fine", "merge"])
+def test_two_processes_equal_one_on_the_same_tokens(outputs, name):
+    diffs = _update_differences(outputs / name, outputs / f"{name}-one", outputs / f"{name}-two")
+    assert any("experts" in k for k in diffs) and any(k.endswith("moe.gate.weight") for k in diffs)  # routers
+    worst = max(diffs, key=diffs.get)
+    assert diffs[worst] < UPDATE_RTOL, (worst, diffs[worst])
+    one, two = (read_json(outputs / f"{name}-{n}" / "report.json")["training"]["runs"][-1] for n in ("one", "two"))
+    assert two["processes"] == 2 and one["processes"] == 1
+    assert two["held_out_after"]["loss"] == pytest.approx(one["held_out_after"]["loss"], abs=1e-4)
+
+
+def test_the_expert_load_is_counted_over_every_ranks_tokens(outputs):
+    """The curve's loss, balance, busiest expert and starved experts of two processes are one process's: each rank
+    counts its own windows, and the counts are summed over the ranks (one rank alone would see half the tokens)."""
+    one, two = (read_json(outputs / f"full-{n}" / "report.json")["training"]["runs"][-1] for n in ("one", "two"))
+    assert len(one["curve"]) == len(two["curve"]) == 5
+    for a, b in zip(one["curve"], two["curve"]):
+        assert (a["step"], a["tokens"], a["starved"]) == (b["step"], b["tokens"], b["starved"])
+        assert a["max_load"] == pytest.approx(b["max_load"], abs=2e-3)
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-4) and a["balance"] == pytest.approx(b["balance"], abs=1e-4)
+
+
+def _assert_same(a: Path, b: Path) -> None:
+    wa, wb = _weights(a), _weights(b)
+    different = [k for k in wa if not torch.equal(wa[k], wb[k])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+
+
+def test_kill_9_of_one_rank_then_resume_equals_the_uninterrupted_run(outputs, tmp_path):
+    """SIGKILL of rank 1 in step 3: rank 0 ends with one line; --resume under torchrun continues from the snapshot of
+    step 2 and ends with the uninterrupted two-process run's weights, bit for bit."""
+    out = _copy(outputs / "full", tmp_path / "out")
+    text = str(outputs / "train.txt")
+    res = _two(["tune", str(out), "--tune-text", text, *FLAGS], "1|step 3|kill", launcher=("--monitor-interval", "3"))
+    assert res.returncode != 0
+    errors = [ln for ln in (res.stdout + res.stderr).splitlines() if ln.startswith("error:")]
+    assert errors and errors[0].startswith("error: rank 0: another rank stopped during step 3 of the training loop"), \
+        (res.stdout + res.stderr)[-3000:]
+    assert read_json(Path(str(out) + ".moeify-tune") / "state.json")["meta"]["step"] == 2
+    refused = _one(["tune", str(out), "--resume"])
+    assert refused.returncode == 2 and "saved by a run across 2 process(es); this one has 1" in refused.stdout + \
+        refused.stderr
+    res = _two(["tune", str(out), "--resume"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    _assert_same(outputs / "full-two", out)
+    assert not Path(str(out) + ".moeify-tune").exists()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_held_back_at_every_phase_finishes_as_the_undelayed_run(outputs, tmp_path, rank):
+    out = _copy(outputs / "full", tmp_path / "out")
+    hold = ";".join(f"{rank}|{phase}|1.5" for phase in PHASES)
+    res = _two(["tune", str(out), "--tune-text", str(outputs / "train.txt"), *FLAGS], hold)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert len([ln for ln in res.stderr.splitlines() if ln.startswith("held_back:")]) == len(PHASES)
+    _assert_same(outputs / "full-two", out)
+
+
+def test_a_rank_that_never_arrives_ends_the_other_within_the_timeout(outputs, tmp_path):
+    out = _copy(outputs / "full", tmp_path / "out")
+    before = (out / "model.safetensors").read_bytes()
+    proc = subprocess.Popen(_two_cmd(["tune", str(out), "--tune-text", str(outputs / "train.txt"), *FLAGS,
+                                      "--timeout", "4"]),
+                            env=_env("1|the training loop|forever|before", MOEIFY_STOP_GRACE="2"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    held_at, lines = None, []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("held_back:") and held_at is None:
+            held_at = time.monotonic()
+    proc.wait(timeout=120)
+    text = "".join(lines)
+    assert proc.returncode != 0 and held_at is not None, text[-3000:]
+    errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(
+        "error: rank 0: rank 1 did not arrive at the training loop within 4 s (the collective timeout"), text[-3000:]
+    assert f"moeify tune {out} --resume" in errors[0]
+    assert time.monotonic() - held_at < 4 + 2 + 10
+    assert (out / "model.safetensors").read_bytes() == before
