@@ -316,73 +316,17 @@ def merge(sources: Sequence[str | Path] | None, out: str | Path, *, config: str 
     config: a mergekit-moe YAML (moeify.merge_config) naming the base, the sources, their prompts and the rest;
     arguments given here override it (sources then None). Its shared expert (shared_experts, Qwen2-MoE) is its
     source's whole FFN beside the routed ones, each half of the layer's output at its resting gate (so a merge of
-    the base's FFN everywhere computes the base), gated by its prompts' row when it has prompts. gate_mode: how the router rows are made
-    (moeify.merge_config.GATE_MODES; default: the config's, router_input with router_text, else random).
+    the base's FFN everywhere computes the base), gated by its prompts' row when it has prompts. gate_mode: how the
+    router rows are made (moeify.merge_config.GATE_MODES; default: the config's, router_input with router_text, else
+    random).
     router_text: one text file per source, in order (gate mode router_input). settings: format, dtype, seed,
     symmetry (default none), targets, max_shard_size, router_std. Returns report.json."""
-    from .calibrate import read_texts
-    from .families import load_source
-    from .merge_config import GATE_MODES, check_prompts, output_format, read_merge_spec
-    from .merging import gate_rows, plan_merge
-    from .upcycling import UpcycleSettings, check_windows
+    from .merging import prepare_merge
 
-    prompts = scales = shared = None
-    if config is not None:
-        spec = read_merge_spec(config)
-        if sources:
-            raise MoeifyError(f"sources named both on the command line and in --config {config}",
-                              "name them in one place (the config's experts)")
-        sources, prompts = [e.source for e in spec.experts], spec.prompts
-        base = spec.base if base is None else base
-        top_k = spec.experts_per_token * granularity if top_k is None else top_k
-        gate_mode = gate_mode or spec.gate_mode
-        if settings.get("dtype") in (None, "auto"):
-            settings["dtype"] = spec.dtype
-        if settings.get("format") in (None, "auto"):
-            settings["format"] = output_format(spec.formats, load_source(resolve(base)).model_type,
-                                               spec.shared is not None)
-        shared = spec.shared
-        if any(e.residual_scale is not None for e in spec.experts):
-            scales = [1.0 if e.residual_scale is None else e.residual_scale for e in spec.experts]
-    if not sources:
-        raise MoeifyError("no sources to merge", "name two or more fine-tunes, or a mergekit-moe YAML (--config)")
-    gate_mode = gate_mode or ("router_input" if router_text is not None else "random")
-    if gate_mode not in GATE_MODES:
-        raise MoeifyError(f"--gate-mode {gate_mode!r} is not one of {', '.join(GATE_MODES)}")
-    if router_text is not None:
-        if len(router_text) != len(sources):
-            raise MoeifyError(f"--router-text names {len(router_text)} file(s) for {len(sources)} sources",
-                              "give one text per source, in the order of the sources")
-        if gate_mode != "router_input":
-            raise MoeifyError(f"--router-text makes router_input rows, not gate mode {gate_mode}",
-                              "leave out --gate-mode (or give router_input)")
-    elif prompts is None and gate_mode not in ("random", "uniform_random"):
-        raise MoeifyError(f"--gate-mode {gate_mode} needs each expert's prompts or text",
-                          "give --router-text (one file per source) or a mergekit-moe YAML with prompts (--config)")
-    else:
-        check_prompts(prompts or [], gate_mode, config)
-    settings.setdefault("symmetry", "none")
-    if top_k is None:
-        top_k = granularity * min(2, len(sources))
-    given = {k: v for k, v in settings.items() if v is not None}
-    if "max_shard_size" in given:
-        from .config import parse_size
-
-        given["max_shard_bytes"] = parse_size(given.pop("max_shard_size"))
-    plan = plan_merge(resolve(base if base is not None else sources[0]), [resolve(s) for s in sources],
-                      UpcycleSettings(granularity=granularity, top_k=top_k, **given), attention=attention,
-                      allow_pickle=allow_pickle, force=force, shared=None if shared is None else resolve(shared.source),
-                      shared_scale=1.0 if shared is None or shared.residual_scale is None else shared.residual_scale)
-    from .writer import check_output_path
-
-    check_output_path(Path(out), overwrite, plan.src.path)
-    texts = None if router_text is None else [check_windows(plan.src, read_texts([f]), router_tokens)
-                                                for f in router_text]
-    plan.router_rows = gate_rows(plan, gate_mode, prompts=prompts, texts=texts, seed=plan.settings.seed,
-                                 progress=progress)
-    if shared is not None and shared.positive and gate_mode not in ("random", "uniform_random"):
-        plan.shared_rows = gate_rows(plan, gate_mode, prompts=[(shared.positive, shared.negative)], progress=progress)
-    plan.gate_mode, plan.scales = gate_mode, scales
+    plan = prepare_merge(sources, out, config=config, base=base, granularity=granularity, top_k=top_k,
+                         attention=attention, gate_mode=gate_mode, router_text=router_text,
+                         router_tokens=router_tokens, overwrite=overwrite, allow_pickle=allow_pickle, force=force,
+                         progress=progress, **settings)
     return run_upcycle_plan(plan, out, overwrite=overwrite, progress=progress, check_text=check_text,
                             check_tokens=check_tokens)
 

@@ -20,7 +20,11 @@ import torch
 from .checkpoint import CheckpointReader, check_links
 from .errors import MoeifyError
 from .families import TOKENIZER_FILES, SourceModel, check_source_tensors, load_source
+from .hub import resolve
+from .merge_config import GATE_MODES, ExpertSpec, check_prompts, output_format, read_merge_spec
 from .upcycling import UpcyclePlan, UpcycleSettings, plan_upcycle
+
+UNPROMPTED = ("random", "uniform_random")  # gate modes that need no prompts or text
 
 ATTENTION = ("base", "average")
 SHAPE_KEYS = ("model_type", "hidden", "d_ff", "n_layers", "heads", "kv_heads", "head_dim", "vocab", "tied",
@@ -167,7 +171,7 @@ def gate_rows(plan: UpcyclePlan, mode: str, *, prompts: list[tuple[list[str], li
     random (moeify.copies.random_router draws them as an upcycle does)."""
     n_layers, d = plan.src.n_layers, plan.src.hidden
     copies = len(texts) if texts is not None else len(prompts) if prompts is not None else plan.layout.copies
-    if mode == "random":
+    if mode == "random":  # UNPROMPTED
         return None
     if mode == "uniform_random":
         gen = torch.Generator().manual_seed(seed)
@@ -191,5 +195,95 @@ def gate_rows(plan: UpcyclePlan, mode: str, *, prompts: list[tuple[list[str], li
     return {i: rows[i] for i in range(n_layers)}
 
 
-__all__ = ["ATTENTION", "check_compatible", "plan_merge", "token_groups", "layer_states", "cheap_embed_rows",
-           "gate_rows"]
+@dataclasses.dataclass
+class MergeRequest:
+    """What a merge is asked for: the arguments given, over a mergekit-moe YAML's keys (moeify.merge_config)."""
+
+    sources: list[str]
+    base: str | None
+    top_k: int | None
+    gate_mode: str
+    settings: dict
+    prompts: list[tuple[list[str], list[str]]] | None = None  # (positive, negative) per expert
+    scales: list[float] | None = None  # residual_scale per expert
+    shared: ExpertSpec | None = None
+
+
+def merge_request(sources, *, config=None, base=None, granularity: int = 1, top_k: int | None = None,
+                  gate_mode: str | None = None, router_text=None, settings: dict) -> MergeRequest:
+    """The arguments folded over the config's keys (an argument given wins), the gate mode chosen and checked."""
+    req = MergeRequest([str(s) for s in sources or []], None if base is None else str(base), top_k, gate_mode,
+                       dict(settings))
+    if config is not None:
+        spec = read_merge_spec(config)
+        if req.sources:
+            raise MoeifyError(f"sources named both on the command line and in --config {config}",
+                              "name them in one place (the config's experts)")
+        req.sources, req.prompts, req.shared = [e.source for e in spec.experts], spec.prompts, spec.shared
+        req.base = spec.base if base is None else req.base
+        req.top_k = spec.experts_per_token * granularity if top_k is None else top_k
+        req.gate_mode = gate_mode or spec.gate_mode
+        if req.settings.get("dtype") in (None, "auto"):
+            req.settings["dtype"] = spec.dtype
+        if req.settings.get("format") in (None, "auto"):
+            req.settings["format"] = output_format(spec.formats, load_source(resolve(req.base)).model_type,
+                                                   spec.shared is not None)
+        if any(e.residual_scale is not None for e in spec.experts):
+            req.scales = [1.0 if e.residual_scale is None else e.residual_scale for e in spec.experts]
+    if not req.sources:
+        raise MoeifyError("no sources to merge", "name two or more fine-tunes, or a mergekit-moe YAML (--config)")
+    req.gate_mode = req.gate_mode or ("router_input" if router_text is not None else "random")
+    if req.gate_mode not in GATE_MODES:
+        raise MoeifyError(f"--gate-mode {req.gate_mode!r} is not one of {', '.join(GATE_MODES)}")
+    if router_text is not None:
+        if len(router_text) != len(req.sources):
+            raise MoeifyError(f"--router-text names {len(router_text)} file(s) for {len(req.sources)} sources",
+                              "give one text per source, in the order of the sources")
+        if req.gate_mode != "router_input":
+            raise MoeifyError(f"--router-text makes router_input rows, not gate mode {req.gate_mode}",
+                              "leave out --gate-mode (or give router_input)")
+    elif req.prompts is None and req.gate_mode not in UNPROMPTED:
+        raise MoeifyError(f"--gate-mode {req.gate_mode} needs each expert's prompts or text",
+                          "give --router-text (one file per source) or a mergekit-moe YAML with prompts (--config)")
+    else:
+        check_prompts(req.prompts or [], req.gate_mode, config)
+    if req.top_k is None:
+        req.top_k = granularity * min(2, len(req.sources))
+    return req
+
+
+def prepare_merge(sources, out: str | Path, *, config=None, base=None, granularity: int = 1, top_k: int | None = None,
+                  attention: str = "base", gate_mode: str | None = None, router_text=None, router_tokens: int = 2048,
+                  overwrite: bool = False, allow_pickle: bool = False, force: bool = False,
+                  progress: Callable[[str, int, int], None] | None = None, **settings) -> UpcyclePlan:
+    """The merge planned and its router rows made (moeify.api.merge's arguments): every check before any writing."""
+    from .calibrate import read_texts
+    from .config import parse_size
+    from .upcycling import check_windows
+    from .writer import check_output_path
+
+    req = merge_request(sources, config=config, base=base, granularity=granularity, top_k=top_k,
+                        gate_mode=gate_mode, router_text=router_text, settings=settings)
+    given = {k: v for k, v in req.settings.items() if v is not None}
+    given.setdefault("symmetry", "none")
+    if "max_shard_size" in given:
+        given["max_shard_bytes"] = parse_size(given.pop("max_shard_size"))
+    shared = req.shared
+    plan = plan_merge(resolve(req.base or req.sources[0]), [resolve(s) for s in req.sources],
+                      UpcycleSettings(granularity=granularity, top_k=req.top_k, **given), attention=attention,
+                      allow_pickle=allow_pickle, force=force, shared=None if shared is None else resolve(shared.source),
+                      shared_scale=1.0 if shared is None or shared.residual_scale is None else shared.residual_scale)
+    check_output_path(Path(out), overwrite, plan.src.path)
+    texts = None if router_text is None else [check_windows(plan.src, read_texts([f]), router_tokens)
+                                                for f in router_text]
+    plan.router_rows = gate_rows(plan, req.gate_mode, prompts=req.prompts, texts=texts, seed=plan.settings.seed,
+                                 progress=progress)
+    if shared is not None and shared.positive and req.gate_mode not in UNPROMPTED:
+        plan.shared_rows = gate_rows(plan, req.gate_mode, prompts=[(shared.positive, shared.negative)],
+                                     progress=progress)
+    plan.gate_mode, plan.scales = req.gate_mode, req.scales
+    return plan
+
+
+__all__ = ["ATTENTION", "UNPROMPTED", "check_compatible", "plan_merge", "token_groups", "layer_states",
+           "cheap_embed_rows", "gate_rows", "MergeRequest", "merge_request", "prepare_merge"]
