@@ -23,8 +23,10 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 # fixtures, a carved model or a reference torchrun, are built once), except the files whose tests take minutes: their
 # tests are dealt into SPLIT[file] groups, so that no worker is left running one long file alone at the end. Those
 # files run first; the quick ones fill in.
-SPLIT = {"test_bench_gpu.py": 5, "test_tune_stage.py": 2, "test_parallel_runs.py": 2, "test_tune.py": 2}
+SPLIT = {"test_bench_gpu.py": 5, "test_tune_stage.py": 2, "test_parallel_runs.py": 2, "test_tune.py": 2,
+         "test_train_processes.py": 2}
 HEAVY_FIRST = ("test_bench_gpu.py", "test_tune_stage.py", "test_tune_processes.py", "test_parallel_runs.py",
+               "test_train_processes.py",
                "test_wheel.py", "test_tune.py", "test_tune_steps.py", "test_tune_memory.py", "test_upcycle.py",
                "test_tasks.py", "test_front_door.py", "test_reliability.py")
 
