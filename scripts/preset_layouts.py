@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 PAGE = ROOT / "docs" / "converting.md"  # the page whose table this is
 BEGIN = "<!-- preset-layouts:begin (scripts/preset_layouts.py --write docs/converting.md) -->"
 END = "<!-- preset-layouts:end -->"
-PRESETS = ("active-50", "active-25")
+PRESETS = ("active-75", "active-50", "active-25")
 
 # Published config.json values that plan reads (hidden, d_ff, layers, heads, kv heads, vocab, tied embeddings).
 SHAPES = [
