@@ -154,7 +154,8 @@ def test_converting_page_layout_table_is_what_plan_says():
     assert mod.page_table(mod.PAGE.read_text()) == table
     eight_b = [r for r in rows if r["model"] == "Llama-3/3.1-8B"]
     assert {r["preset"]: (r["shared"], r["top_k"], r["experts"], r["width"]) for r in eight_b} == \
-        {"active-50": (14, 14, 42, 256), "active-25": (14, 14, 98, 128)}  # 25%: 112 x 128 (top-28 stops it at 50%)
+        {"active-75": (28, 14, 28, 256), "active-50": (14, 14, 42, 256),
+         "active-25": (14, 14, 98, 128)}  # 25%: 112 x 128 (top-28 stops it at 50%)
     # every large d_ff that has a multiple of 256 for a width gets one with --serve k-quants; Qwen2.5-0.5B (4,864 =
     # 128 x 38) and -72B (29,568 = 128 x 231) have none, and get multiples of 128 (vLLM's FP8 block and Marlin)
     assert all(int(r["serve"]["k-quants"].split("×")[1]) % 256 == 0 for r in rows
