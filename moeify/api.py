@@ -90,7 +90,7 @@ def convert(src: str | Path, out: str | Path, *, preset: str | Path | None = Non
             **settings) -> Conversion:
     """Carve the dense checkpoint `src` (a folder or a Hub id) into the MoE checkpoint `out`, all or nothing.
 
-    preset: a preset by name ("active-50", "active-25") or a TOML file; none and no experts/top_k/shared: the
+    preset: a preset by name ("active-50", "active-25", "active-75") or a TOML file; none and no experts/top_k/shared: the
     recommended one. tune: None as the preset says (262,144 tokens of recovery tuning), False none, or a token
     count. calib: calibration text files (default: the preset's, else the bundled sample). serve: the serving
     format the preset's layout suits (k-quants, fp8, q8_0, bf16; README "Presets at your model's shape"). settings: any other

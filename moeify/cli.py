@@ -192,7 +192,7 @@ def convert(
                                          "earlier calibrated run) instead of recomputing them."),
     device: Optional[str] = typer.Option(None, help="Where calibration, k-means clustering and router fitting "
                                          "run: auto (a GPU if there is one) | cpu | cuda [default: auto]."),
-    preset: Optional[Path] = typer.Option(None, help="A preset by name (active-50, active-25) or a TOML file; flags "
+    preset: Optional[Path] = typer.Option(None, help="A preset by name (active-50, active-25, active-75) or a TOML file; flags "
                                           "override it. Its [layout] (shares of d_ff) is resolved for SRC: the "
                                           "expert count whose width quantized kernels take; --dry-run prints how "
                                           "[default: active-50 when no --experts/--top-k/--shared is given]."),
@@ -306,7 +306,7 @@ def plan_cmd(
                                         "preset's; without a preset, 2]."),
     shared: Optional[int] = typer.Option(None, "--shared", help="Always-on shared expert, in units of one expert's "
                                          "width [default: the preset's; without a preset, 0]."),
-    preset: Optional[Path] = typer.Option(None, help="A preset by name (active-50, active-25) or a TOML file: plan the "
+    preset: Optional[Path] = typer.Option(None, help="A preset by name (active-50, active-25, active-75) or a TOML file: plan the "
                                           "layout it resolves to for this model (its shares of d_ff, the widths "
                                           "quantized kernels take); --experts/--shared/--top-k override it "
                                           "[default: active-50 when no count is given]."),
