@@ -141,6 +141,10 @@ class UpcyclePlan:
         ffns = [tuple(r.get(f"model.layers.{i}.mlp.{n}_proj.weight") for n in ("gate", "up", "down")) for r in readers]
         return ffns if self.sources else ffns * self.layout.copies
 
+    def base_ffn(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer i's (gate, up, down) of the base (a merge's exact construction: every copy the base's FFN)."""
+        return tuple(self.reader.get(f"model.layers.{i}.mlp.{n}_proj.weight") for n in ("gate", "up", "down"))
+
     def shared_ffn(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer i's (gate, up, down) of a merge's shared source."""
         return tuple(self.shared_reader.get(f"model.layers.{i}.mlp.{n}_proj.weight") for n in ("gate", "up", "down"))
@@ -480,8 +484,7 @@ def check_output(plan: UpcyclePlan, out_dir: Path, progress: Progress | None = N
 
     def regenerate(broken: bool, base_only: bool = False):
         def experts(i: int):
-            ffns = plan.ffns(i)
-            ffns = [ffns[0]] * len(ffns) if base_only else ffns
+            ffns = [plan.base_ffn(i)] * plan.layout.copies if base_only else plan.ffns(i)
             return layer_experts(plan, i, ffns, broken).experts.cast(plan.out_dtype)  # as the output holds them
         return experts
 

@@ -58,6 +58,18 @@ def test_router_rows_from_each_sources_text_send_each_text_to_its_source(tmp_pat
     assert share[0] > 0.7 and share[1] > 0.7, share  # each text mostly to the expert of its own source
 
 
+def test_a_base_that_is_none_of_the_sources_is_the_exact_construction(tmp_path, tokenizer_dir):
+    """--base names a model none of whose FFNs is an expert: the end-of-run check puts the base's own FFN in every
+    expert (not the first source's), so the run passes it."""
+    base = build_dense(tmp_path / "base", tokenizer_dir, seed=0)
+    a = build_dense(tmp_path / "a", tokenizer_dir, seed=1)
+    b = build_dense(tmp_path / "b", tokenizer_dir, seed=2)
+    report = moeify.merge([a, b], tmp_path / "moe", base=base)
+    check = report["check"]
+    assert check["exact_model"] == "every expert the base's FFN" and check["max_logit_diff"] <= 1e-4
+    assert check["kl_to_source"] > 1e-4  # the experts as written are the sources', not the base's
+
+
 def test_averaged_attention_is_the_sources_mean(tmp_path, tokenizer_dir):
     a = build_dense(tmp_path / "a", tokenizer_dir, seed=0)
     b = build_dense(tmp_path / "b", tokenizer_dir, seed=1)
