@@ -1,0 +1,181 @@
+"""moeify merge against mergekit-moe on the same work: the same YAML files and sources through both tools, each
+output scored the same way. mergekit 0.1.5 runs from its own venv (out/mergekit-venv, made here when missing:
+`python -m venv`, then `pip install mergekit==0.1.5`; this machine's pip constraints keep torch the CPU build).
+
+    python scripts/bench_mergekit.py --rows exactness --json results/upcycling/mergekit-parity-exactness.json
+    python scripts/bench_mergekit.py --rows speed --json results/upcycling/mergekit-parity-speed.json   # idle
+
+Rows:
+- exactness: where a merge is defined to compute its base (every expert the base's own FFN), does the output? Per
+  output class: Mixtral (a Llama base), Qwen MoE (a Llama base, 4 routed copies and mergekit's required shared
+  expert, also the base), Qwen3 MoE (a Qwen3 base); tiny random models made here (tests/conftest.py's build_dense
+  and tokenizer), gate_mode random, 4 experts top-2, float32. Each output loaded by transformers
+  (AutoModelForCausalLM, float32): max |logit difference| to the base on 4 × 32 random tokens, and mean KL(base ||
+  output) per token.
+- speed: SmolLM2-135M × 8 and Qwen2.5-Coder-0.5B × 4 (every expert the base, gate_mode random, bfloat16), one run
+  of each tool each: wall seconds and peak RSS of the child (GNU time), moeify's end-of-run check included.
+- routing: scripts/bench_merge_routing.py (three SmolLM2 fine-tunes, the same prompts, both tools).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "tests"))
+from bench_merge_routing import timed  # noqa: E402 (one timing helper for both benchmarks)
+
+VENV = ROOT / "out" / "mergekit-venv"
+MERGEKIT = "mergekit==0.1.5"
+MOEIFY = str(ROOT / ".venv" / "bin" / "moeify")
+CLASSES = (("Mixtral", "llama", "mixtral", False), ("Qwen MoE", "llama", "qwen", True),
+           ("Qwen3 MoE", "qwen3", "qwen3", False))
+
+
+def mergekit_moe() -> Path:
+    """out/mergekit-venv/bin/mergekit-moe, the venv made first when missing."""
+    exe = VENV / "bin" / "mergekit-moe"
+    if not exe.is_file():
+        subprocess.run([shutil.which("python3") or "python3", "-m", "venv", str(VENV)], check=True)
+        subprocess.run([str(VENV / "bin" / "pip"), "install", "-q", "torch==2.13.0", MERGEKIT], check=True)
+    return exe
+
+
+def write_config(path: Path, base: Path, n: int, architecture: str, shared: bool, dtype: str) -> Path:
+    lines = [f"base_model: {base}", "gate_mode: random", f"dtype: {dtype}", "experts_per_token: 2",
+             f"architecture: {architecture}", "experts:"] + [f"  - source_model: {base}"] * n
+    if shared:
+        lines += ["shared_experts:", f"  - source_model: {base}"]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def commands(cfg: Path, out: Path) -> dict[str, list[str]]:
+    return {"mergekit-moe": [str(mergekit_moe()), str(cfg), str(out),
+                             "--i-understand-this-is-not-useful-without-training"],
+            "moeify merge": [MOEIFY, "merge", str(out), "--config", str(cfg)]}
+
+
+@torch.no_grad()
+def against_base(base: Path, out: Path, seed: int = 0) -> dict:
+    """max |logit difference| and mean KL(base || out) per token on 4 × 32 random tokens, float32."""
+    from transformers import AutoModelForCausalLM
+
+    dense = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    try:
+        moe = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    except Exception as exc:  # noqa: BLE001 - any failure to load is the row's result
+        return {"loads": False, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+    ids = torch.randint(0, dense.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(seed))
+    a, b = dense(ids).logits.float(), moe(ids).logits.float()
+    kl = F.kl_div(b.log_softmax(-1), a.log_softmax(-1), log_target=True, reduction="none").sum(-1).mean()
+    return {"loads": True, "max_logit_diff": float((a - b).abs().max()), "logit_scale": float(a.abs().max()),
+            "kl_nats": max(float(kl), 0.0)}
+
+
+def exactness_rows(work: Path, save) -> list[dict]:
+    from conftest import build_dense, corpus_text  # the test suite's tiny models and tokenizer
+
+    tok_dir = work / "tokenizer"
+    if not (tok_dir / "tokenizer.json").is_file():
+        make_tokenizer(tok_dir, corpus_text())
+    rows = []
+    for name, family, arch, shared in CLASSES:
+        base = work / f"base-{family}"
+        if not (base / "config.json").is_file():
+            build_dense(base, tok_dir, family=family, seed=0)
+        cfg = write_config(work / f"{arch}.yml", base, 4, arch, shared, "float32")
+        for tool, cmd in commands(cfg, work / "out").items():
+            shutil.rmtree(work / "out", ignore_errors=True)
+            row = {"class": name, "tool": tool, "command": " ".join(cmd).replace(str(ROOT) + "/", "")}
+            try:
+                row.update(timed(cmd))
+                row.update(against_base(base, work / "out"))
+            except RuntimeError as exc:
+                row.update(loads=False, error=str(exc)[:300])
+            rows.append(row)
+            save(rows)
+            print(f"{name:<10} {tool:<13} {row.get('max_logit_diff', row.get('error'))}", flush=True)
+    return rows
+
+
+def make_tokenizer(out: Path, text: str) -> None:
+    """tests/conftest.py's tokenizer (a byte-level BPE of 384 tokens trained on the test corpus), outside pytest."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([text], trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(out)
+
+
+def speed_rows(work: Path, save) -> list[dict]:
+    rows = []
+    for model, n in ((ROOT / "models" / "smollm2-135m", 8), (ROOT / "models" / "qwen2.5-coder-0.5b", 4)):
+        arch = "qwen" if "qwen" in model.name else "mixtral"
+        cfg = work / f"speed-{model.name}.yml"
+        lines = [f"base_model: {model}", "gate_mode: random", "dtype: bfloat16", f"architecture: {arch}",
+                 "experts:"] + [f"  - source_model: {model}"] * n
+        if arch == "qwen":  # mergekit's Qwen MoE output needs its shared expert
+            lines += ["shared_experts:", f"  - source_model: {model}"]
+        cfg.write_text("\n".join(lines) + "\n")
+        for tool, cmd in commands(cfg, work / "out").items():
+            shutil.rmtree(work / "out", ignore_errors=True)
+            row = {"model": model.name, "experts": n, "tool": tool,
+                   "command": " ".join(cmd).replace(str(ROOT) + "/", ""), **timed(cmd)}
+            row["output_gb"] = round(sum(f.stat().st_size for f in (work / "out").glob("*.safetensors")) / 1e9, 3)
+            rows.append(row)
+            save(rows)
+            print(f"{model.name:<22} {tool:<13} {row['seconds']:7.1f} s {row['peak_rss_gb']:6.2f} GB", flush=True)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'class':<10} {'tool':<13} {'loads':>5} {'max |Δlogit|':>13} {'KL (nats)':>10} {'s':>6} {'GB':>5}"]
+    for r in rows:
+        diff = f"{r['max_logit_diff']:.2e}" if r.get("loads") else "-"
+        kl = f"{r['kl_nats']:.1e}" if r.get("loads") else "-"
+        lines.append(f"{r.get('class', r.get('model', ''))[:10]:<10} {r['tool']:<13} {str(r.get('loads', '')):>5} "
+                     f"{diff:>13} {kl:>10} {r.get('seconds', 0):6.1f} {r.get('peak_rss_gb', 0):5.2f}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", choices=("exactness", "speed"), default="exactness")
+    ap.add_argument("--work", type=Path, default=ROOT / "out" / "bench_mergekit")
+    ap.add_argument("--json", type=Path, required=True)
+    args = ap.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    pins = subprocess.run([str(VENV / "bin" / "pip"), "list", "--format", "json"], capture_output=True, text=True)
+    versions = {p["name"]: p["version"] for p in json.loads(pins.stdout or "[]")
+                if p["name"] in ("mergekit", "torch", "transformers")} if pins.returncode == 0 else {}
+    result = {"date": time.strftime("%Y-%m-%d"), "rows_kind": args.rows, "mergekit_venv": versions,
+              "torch": torch.__version__, "rows": []}
+
+    def save(rows):
+        result["rows"] = rows
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+
+    mergekit_moe()
+    rows = exactness_rows(args.work, save) if args.rows == "exactness" else speed_rows(args.work, save)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
