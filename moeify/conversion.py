@@ -30,8 +30,9 @@ from .router import SHARED_GATE_MIN, shared_gate_value
 from .families import (TOKENIZER_FILES, SourceModel, attention_infos, check_source_tensors,
                        ffn_tensor_names, load_source, target_config)
 from .partition import valid_expert_counts
-from .writer import (LOCK_NAME, BackgroundWriter, ShardLayout, ShardWriter, check_free_space, check_output_path,
-                     check_written, commit_output, output_errors, prepare_output, write_attention, write_head)
+from .writer import (LOCK_NAME, WRITE_AHEAD_BYTES, BackgroundWriter, ShardLayout, ShardWriter, check_free_space,
+                     check_output_path, check_written, commit_output, output_errors, prepare_output, write_attention,
+                     write_head)
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
@@ -299,7 +300,6 @@ def _write_carve(plan: ConversionPlan, out: Path, tmp: Path, tune: bool,
         raise
 
 
-WRITE_AHEAD_BYTES = 512 << 20  # output bytes queued for the writer thread while the next layer is carved
 
 
 def _write_tensors(plan: ConversionPlan, writer: ShardWriter, carved: dict[int, CarvedLayer], tmp: Path,

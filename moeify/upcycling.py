@@ -30,15 +30,17 @@ from .families import (TOKENIZER_FILES, SourceModel, attention_infos, check_sour
                        load_source, target_config)
 from .router import SHARED_GATE_MIN
 from .version import __version__
-from .writer import (BackgroundWriter, ShardLayout, ShardWriter, check_free_space, check_output_path, check_written,
-                     commit_output, output_errors, prepare_output, write_attention, write_head)
+from .config import FORMATS
+from .writer import (WRITE_AHEAD_BYTES, BackgroundWriter, ShardLayout, ShardWriter, check_free_space,
+                     check_output_path, check_written, commit_output, output_errors, prepare_output, write_attention,
+                     write_head)
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
-FORMATS = ("auto", "mixtral", "qwen2_moe", "qwen3_moe")
+# a merge's choices as report.json and moeify.toml record them (UpcyclePlan.summary)
+MERGE_KEYS = ("sources", "attention", "router", "residual_scales", "shared_source", "shared_scale", "shared_gate")
 CHECK_RTOL = 1e-3  # max |logit difference| allowed, relative to max |source logit| (as `moeify verify`)
 CHECK_SEQ = 32  # tokens of each of the 2 random sequences the check runs when the source has no tokenizer
 READ_BACK_BYTES = 16 << 30  # outputs up to this size are checked from the files; larger ones from regenerated experts
-WRITE_AHEAD_BYTES = 512 << 20
 # Training the output with AdamW in mixed precision holds, per parameter: bf16 weights and gradients (2 + 2), float32
 # master weights and two moments (4 + 4 + 4): 16 bytes, before activations (the usual estimate, e.g. ZeRO's paper).
 TRAIN_BYTES_PER_PARAM = 16
@@ -538,8 +540,15 @@ def _write_metadata(plan: UpcyclePlan, tmp: Path, layers: list[dict], seconds: f
 
 
 def recipe_toml(plan: UpcyclePlan) -> str:
-    """The settings as TOML (`moeify upcycle SRC OUT --recipe moeify.toml` repeats the construction)."""
-    lines = [f"# moeify {__version__}: upcycle of {plan.src.path.name}", "construction = \"upcycle\""]
+    """What was built, as TOML (OUT/moeify.toml): the construction, a merge's sources and choices, the settings."""
+    kind = "merge" if plan.sources else "upcycle"
+    lines = [f"# moeify {__version__}: {kind} of {plan.src.path.name}", f"construction = \"{kind}\""]
+    if plan.sources:  # the checkpoints by folder name (report.json has their paths)
+        merge = {k: v for k, v in plan.summary().items() if k in MERGE_KEYS}
+        merge["sources"] = [Path(p).name for p in merge["sources"]]
+        if "shared_source" in merge:
+            merge["shared_source"] = Path(merge["shared_source"]).name
+        lines += [f"base = {json.dumps(plan.src.path.name)}"] + [f"{k} = {json.dumps(v)}" for k, v in merge.items()]
     for key, value in settings_dict(plan.settings).items():
         lines.append(f"{key} = {json.dumps(value)}")
     return "\n".join(lines) + "\n"

@@ -29,6 +29,9 @@ from .errors import MoeifyError
 # ----------------------------------------------------------------------------------------------- writing
 
 
+WRITE_AHEAD_BYTES = 512 << 20  # output bytes queued for the writer thread while the next layer is made
+
+
 @dataclass
 class ShardLayout:
     """Which tensor goes to which output file, decided before any data is written."""
