@@ -11,7 +11,8 @@ Rows:
   expert, also the base), Qwen3 MoE (a Qwen3 base); tiny random models made here (tests/conftest.py's build_dense
   and tokenizer), gate_mode random, 4 experts top-2, float32. Each output loaded by transformers
   (AutoModelForCausalLM, float32): max |logit difference| to the base on 4 × 32 random tokens, and mean KL(base ||
-  output) per token.
+  output) per token; then by vLLM (--vllm-python, its CPU build; float32) beside the base on the same tokens: max
+  |log-probability difference| of the scored tokens, or the error that stopped it loading.
 - speed: SmolLM2-135M × 8 and Qwen2.5-Coder-0.5B × 4 (every expert the base, gate_mode random, bfloat16), one run
   of each tool each: wall seconds and peak RSS of the child (GNU time), moeify's end-of-run check included.
 - routing: scripts/bench_merge_routing.py (three SmolLM2 fine-tunes, the same prompts, both tools).
@@ -92,21 +93,54 @@ def exactness_rows(work: Path, save) -> list[dict]:
     rows = []
     for name, family, arch, shared in CLASSES:
         base = work / f"base-{family}"
-        if not (base / "config.json").is_file():
-            build_dense(base, tok_dir, family=family, seed=0)
+        if not (base / "config.json").is_file():  # heads of 32 (vLLM's CPU attention takes no head_dim of 16)
+            build_dense(base, tok_dir, family=family, seed=0, num_attention_heads=2, num_key_value_heads=1,
+                        **({"head_dim": 32} if family == "qwen3" else {}))
         cfg = write_config(work / f"{arch}.yml", base, 4, arch, shared, "float32")
-        for tool, cmd in commands(cfg, work / "out").items():
-            shutil.rmtree(work / "out", ignore_errors=True)
-            row = {"class": name, "tool": tool, "command": " ".join(cmd).replace(str(ROOT) + "/", "")}
+        for tool in ("mergekit-moe", "moeify merge"):
+            out = work / f"out-{arch}-{tool.split()[0]}"
+            shutil.rmtree(out, ignore_errors=True)
+            cmd = commands(cfg, out)[tool]
+            row = {"class": name, "tool": tool, "command": " ".join(cmd).replace(str(ROOT) + "/", ""),
+                   "base": str(base), "out": str(out)}
             try:
                 row.update(timed(cmd))
-                row.update(against_base(base, work / "out"))
+                row.update(against_base(base, out))
             except RuntimeError as exc:
                 row.update(loads=False, error=str(exc)[:300])
             rows.append(row)
             save(rows)
             print(f"{name:<10} {tool:<13} {row.get('max_logit_diff', row.get('error'))}", flush=True)
     return rows
+
+
+def vllm_columns(rows: list[dict], work: Path, vllm_python: Path) -> None:
+    """Each output that loads in transformers, scored by vLLM (its own classes and routing, float32) beside its
+    base on the same 4 × 32 random tokens: vllm_max_logprob_diff, the max |log-probability difference| of any scored
+    token to the base's in vLLM (or vllm_error)."""
+    from vllm_runner import run_vllm
+
+    bases = sorted({r["base"] for r in rows})
+    models = [{"name": b, "path": b} for b in bases] + [{"name": r["out"], "path": r["out"]} for r in rows
+                                                         if r.get("loads")]
+    windows = torch.randint(0, 384, (4, 32), generator=torch.Generator().manual_seed(0)).tolist()
+    job = {"dtype": "float32", "max_model_len": 40, "max_num_seqs": 4, "prompt_logprobs": 0,
+           "models": models, "windows": {"random": windows}, "vocab": 384, "skip_tokenizer_init": True}
+    res = run_vllm(argparse.Namespace(work=work / "vllm", vllm_python=vllm_python, kv_space=1, timeout=1800), job,
+                   "exactness")
+    got = {m["name"]: m for m in res["models"]}
+    for r in rows:
+        m, b = got.get(r["out"]), got.get(r["base"])
+        if m is None or "random" not in m.get("logprobs", {}):
+            r["vllm_error"] = ((m or {}).get("error") or (m or {}).get("run_error") or "not loaded in transformers"
+                               )[:300]
+            continue
+        if "random" not in b.get("logprobs", {}):
+            r["vllm_error"] = f"the base did not run: {b.get('run_error', b.get('error', ''))[:200]}"
+            continue
+        pairs = zip(sum(m["logprobs"]["random"], []), sum(b["logprobs"]["random"], []))
+        r["vllm_max_logprob_diff"] = max(abs(x - y) for x, y in pairs)
+        r["vllm_class"] = m.get("class")
 
 
 def make_tokenizer(out: Path, text: str) -> None:
@@ -145,12 +179,14 @@ def speed_rows(work: Path, save) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'class':<10} {'tool':<13} {'loads':>5} {'max |Δlogit|':>13} {'KL (nats)':>10} {'s':>6} {'GB':>5}"]
+    lines = [f"{'class':<10} {'tool':<13} {'max |Δlogit|':>12} {'KL (nats)':>9} {'vLLM |Δlp|':>10} {'s':>6} "
+             f"{'GB':>5}"]
     for r in rows:
-        diff = f"{r['max_logit_diff']:.2e}" if r.get("loads") else "-"
+        diff = f"{r['max_logit_diff']:.2e}" if r.get("loads") else "no load"
         kl = f"{r['kl_nats']:.1e}" if r.get("loads") else "-"
-        lines.append(f"{r.get('class', r.get('model', ''))[:10]:<10} {r['tool']:<13} {str(r.get('loads', '')):>5} "
-                     f"{diff:>13} {kl:>10} {r.get('seconds', 0):6.1f} {r.get('peak_rss_gb', 0):5.2f}")
+        vl = f"{r['vllm_max_logprob_diff']:.1e}" if "vllm_max_logprob_diff" in r else "-"
+        lines.append(f"{r.get('class', r.get('model', ''))[:10]:<10} {r['tool']:<13} {diff:>12} {kl:>9} {vl:>10} "
+                     f"{r.get('seconds', 0):6.1f} {r.get('peak_rss_gb', 0):5.2f}")
     return "\n".join(lines)
 
 
@@ -158,6 +194,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", choices=("exactness", "speed"), default="exactness")
     ap.add_argument("--work", type=Path, default=ROOT / "out" / "bench_mergekit")
+    ap.add_argument("--vllm-python", type=Path, default=ROOT / "build" / "vllmvenv" / "bin" / "python",
+                    help="vLLM's venv (scripts/check_vllm.py says how to make it); absent: no vLLM columns")
     ap.add_argument("--json", type=Path, required=True)
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -174,6 +212,9 @@ def main() -> None:
 
     mergekit_moe()
     rows = exactness_rows(args.work, save) if args.rows == "exactness" else speed_rows(args.work, save)
+    if args.rows == "exactness" and args.vllm_python.is_file():
+        vllm_columns(rows, args.work, args.vllm_python)
+        save(rows)
     print(table(rows))
 
 
