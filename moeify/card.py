@@ -198,10 +198,13 @@ def _render_upcycle(out: Path, report: dict, name: str | None) -> str:
               f"| dtype | {report.get('output_dtype', '')} |", "",
               "## Checked at the end of the upcycle", "",
               (f"- Exactness: {check['exact_model']}, routed by its own top-k, against the dense model on "
-               f"{check.get('tokens', 0)} {'tokens of text' if check.get('tokens_from') == 'text' else 'random tokens'}"
-               f": max |logit difference| {check['max_logit_diff']:.3g} (max "
+               + (f"{check['exact_tokens']} random tokens" if check.get("exact_tokens") else
+                  f"{check.get('tokens', 0)} "
+                  f"{'tokens of text' if check.get('tokens_from') == 'text' else 'random tokens'}")
+               + f": max |logit difference| {check['max_logit_diff']:.3g} (max "
                f"|logit| {check.get('logit_scale', 0):.3g})." if check.get("exact_model") else
-               "- Exactness: no setting of this merge computes the base (its attention is the sources' average)."),
+               "- Exactness: no setting of this merge computes the base (its attention is the sources' average, or "
+               "its shared expert is not the base's FFN at a constant gate)."),
               f"- As written: KL divergence to the dense model's next-token distributions {kl:.4g} nats"
               + (f" on {check.get('kl_text_tokens'):,} tokens of text." if check.get("kl_text_tokens") else
                  " on the random tokens.") if kl is not None else "- KL to the dense model: not measured.",

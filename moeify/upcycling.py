@@ -475,8 +475,9 @@ def _write_tensors(plan: UpcyclePlan, writer, progress: Progress | None) -> list
 def check_output(plan: UpcyclePlan, out_dir: Path, progress: Progress | None = None,
                  text_ids: torch.Tensor | None = None) -> dict:
     """Stream the source and the written MoE one decoder layer at a time (moeify.layerwise), in one pass over
-    `text_ids` (else 64 random tokens): the copies before any symmetry breaking must give the source's logits
-    (RuntimeError otherwise), and the model as written is scored by its KL to the source."""
+    `text_ids` (else 64 random tokens), the model as written scored by its KL to the source; the copies before any
+    symmetry breaking (a merge's: every copy the base's FFN) must give the source's logits, checked on 64 random
+    tokens when they are not the model as written (RuntimeError otherwise)."""
     from .layerwise import kl_to_reference, max_logit_diff, moe_stack, source_stack, stream_hidden
 
     src = plan.src
@@ -492,25 +493,30 @@ def check_output(plan: UpcyclePlan, out_dir: Path, progress: Progress | None = N
 
     dense = source_stack(src, src_reader, plan.out_dtype)  # the source as the output's dtype holds it
     written = moe_stack(out_dir, out_reader, None if from_files else regenerate(True))
-    # one pass: the check's tokens (the text, else random ones) through the source, the exact construction and,
-    # when it differs, the model as written, a decoder layer of each at a time. A merge's exact construction is every
-    # copy the base's FFN; with averaged attention, or a shared expert of its own that is not the base's FFN at a
-    # constant gate, no setting computes the base, and only the KL is measured.
+    # the check's tokens (the text, else random ones) through the source and the model as written, a decoder layer
+    # of each at a time: its KL to the source, and its logits when it is the exact construction. Otherwise the exact
+    # construction (a merge's: every copy the base's FFN; an upcycle's: the copies before symmetry breaking) is
+    # compared with the source on CHECK_SEQ random tokens a sequence, in a second, shorter pass: exactness is a
+    # property of the weights and the class's routing, which any tokens show. With averaged attention, or a shared
+    # expert of its own that is not the base's FFN at a constant gate, no setting computes the base, and only the KL
+    # is measured.
     averaged = bool(plan.sources) and (plan.attention != "base" or not plan.shared_is_base)
     exact = None if averaged else written if plan.exact else \
         moe_stack(out_dir, out_reader, regenerate(False, bool(plan.sources)))
-    ids = text_ids if text_ids is not None else torch.randint(
-        0, src.vocab, (2, CHECK_SEQ), generator=torch.Generator().manual_seed(plan.settings.seed))
-    stacks = [dense, written] if exact in (None, written) else [dense, exact, written]
-    finals = stream_hidden(stacks, ids, progress)
-    src_reader.close()
-    out_reader.close()
+    random_ids = torch.randint(0, src.vocab, (2, CHECK_SEQ), generator=torch.Generator().manual_seed(plan.settings.seed))
+    ids = text_ids if text_ids is not None else random_ids
+    finals = stream_hidden([dense, written], ids, progress)
     result = {"tokens": int(ids.numel()), "tokens_from": "text" if text_ids is not None else "random",
               "experts_read_back": from_files, "exact_model": None,
               "kl_to_source": 0.0 if exact is written and text_ids is None else  # identical by construction
               kl_to_reference(dense, finals[0], written, finals[-1])}
     if text_ids is not None:
         result["kl_text_tokens"] = int(ids.numel())
+    if exact is not None and exact is not written:
+        finals = stream_hidden([dense, exact], random_ids, progress)
+        result["exact_tokens"] = int(random_ids.numel())
+    src_reader.close()
+    out_reader.close()
     if exact is None:
         return result
     diff, scale = max_logit_diff(dense, finals[0], exact, finals[1])
