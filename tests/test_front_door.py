@@ -67,13 +67,13 @@ def one_error_line(result) -> str:
 def test_presets_by_name_by_path_and_an_unknown_name_lists_them(dense, tmp_path):
     from moeify.config import preset_names, preset_path
 
-    assert preset_names() == ["active-25", "active-50"]
+    assert preset_names() == ["active-25", "active-50", "active-75"]
     assert preset_path("active-50").name == preset_path("configs/active-50.toml").name == "active-50.toml"
     mine = tmp_path / "mine.toml"
     mine.write_text("experts = 4\ntop_k = 2\n")
     assert preset_path(mine) == mine
-    line = one_error_line(cli("plan", dense, "--preset", "active-75"))
-    assert line == ("error: preset active-75 not found (the presets: active-25, active-50) — name one, e.g. "
+    line = one_error_line(cli("plan", dense, "--preset", "active-60"))
+    assert line == ("error: preset active-60 not found (the presets: active-25, active-50, active-75) — name one, e.g. "
                     "--preset active-50, or pass a TOML file (an earlier output's moeify.toml works)")
 
 

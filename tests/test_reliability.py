@@ -253,7 +253,7 @@ CASES = {
     "dense-layers-all": (None, ["--dense-layers", "0,1,2"], ["every layer"]),
     "shard-size-garbage": (None, ["--max-shard-size", "big"], ["--max-shard-size 'big'"]),
     "method-unknown": (None, ["--method", "magic"], ["--method 'magic'", "gate-cluster"]),
-    "preset-missing": (None, ["--preset", "{tmp}/nope.toml"], ["nope.toml not found (the presets: active-25, active-50)", "--preset active-50"]),
+    "preset-missing": (None, ["--preset", "{tmp}/nope.toml"], ["nope.toml not found (the presets: active-25, active-50, active-75)", "--preset active-50"]),
     "pad-experts-not-multiple-of-8": (None, ["--pad-experts-to", "100"],
                                       ["--pad-experts-to must be a positive multiple of 8, got 100", "128 or 256"]),
     "json-unwritable": (None, ["--dry-run", "--json", "{tmp}/src/config.json/plan.json"],
