@@ -3,9 +3,10 @@ source's FFN becomes one copy (G fine-grained slices of it), attention, norms an
 sources' average, and each layer's router rows are made by a gate mode (moeify.merge_config.GATE_MODES, dispatched
 by gate_rows): from each expert's prompts or text through the base, run one decoder layer at a time (mergekit-moe's
 hidden states entering each layer, or moeify's router input: the post-attention-norm hidden state of every token),
-from the prompts' token embeddings, or random. Written and checked by the upcycle stage (moeify.upcycling): a merge is an upcycle whose copies come from
-different checkpoints. With every expert the base's FFN the model computes the base (checked at the end of every
-run when the attention is the base's); the KL of the merge as written to the base is reported.
+from the prompts' token embeddings, or random. The arguments come over a mergekit-moe YAML's keys (merge_request;
+moeify.merge_config reads it). Written and checked by the upcycle stage (moeify.upcycling): a merge is an upcycle
+whose copies come from different checkpoints. With every expert the base's FFN the model computes the base (checked
+at the end of every run when the attention is the base's); the KL of the merge as written to the base is reported.
 """
 
 from __future__ import annotations

@@ -503,7 +503,8 @@ def check_output(plan: UpcyclePlan, out_dir: Path, progress: Progress | None = N
     averaged = bool(plan.sources) and (plan.attention != "base" or not plan.shared_is_base)
     exact = None if averaged else written if plan.exact else \
         moe_stack(out_dir, out_reader, regenerate(False, bool(plan.sources)))
-    random_ids = torch.randint(0, src.vocab, (2, CHECK_SEQ), generator=torch.Generator().manual_seed(plan.settings.seed))
+    random_ids = torch.randint(0, src.vocab, (2, CHECK_SEQ),
+                               generator=torch.Generator().manual_seed(plan.settings.seed))
     ids = text_ids if text_ids is not None else random_ids
     finals = stream_hidden([dense, written], ids, progress)
     result = {"tokens": int(ids.numel()), "tokens_from": "text" if text_ids is not None else "random",
