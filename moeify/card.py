@@ -34,6 +34,12 @@ ROUTER_ROWS = {"text": "from each source's text (the mean router input, centred)
                "cheap_embed": "from each expert's prompts' token embeddings, the same in every layer.",
                "random": "random.", "uniform_random": "random (uniform)."}
 
+
+def nats(kl: float) -> str:
+    """A KL as people read it: 0 when identical by construction, "< 1e-8" under float32's resolution (a sum of
+    rounding errors can come out below 0; a KL never is), else 4 significant digits."""
+    return "0" if kl == 0 else "< 1e-8" if kl < 1e-8 else format(kl, ".4g")
+
 def source_licence(src: Path) -> str | None:
     """The licence the source's own card states in its front matter (`license: apache-2.0`), if any."""
     card = Path(src) / CARD
@@ -205,7 +211,7 @@ def _render_upcycle(out: Path, report: dict, name: str | None) -> str:
                f"|logit| {check.get('logit_scale', 0):.3g})." if check.get("exact_model") else
                "- Exactness: no setting of this merge computes the base (its attention is the sources' average, or "
                "its shared expert is not the base's FFN at a constant gate)."),
-              f"- As written: KL divergence to the dense model's next-token distributions {kl:.4g} nats"
+              f"- As written: KL divergence to the dense model's next-token distributions {nats(kl)} nats"
               + (f" on {check.get('kl_text_tokens'):,} tokens of text." if check.get("kl_text_tokens") else
                  " on the random tokens.") if kl is not None else "- KL to the dense model: not measured.",
               *_training_lines(report),
@@ -333,5 +339,5 @@ def record_evaluation(out: Path, result: dict, reference: dict, this: dict) -> N
     write(out)
 
 
-__all__ = ["CARD", "EVALUATION", "render", "write", "record_evaluation", "copy_licence", "source_licence",
+__all__ = ["nats", "CARD", "EVALUATION", "render", "write", "record_evaluation", "copy_licence", "source_licence",
            "active_share_text"]

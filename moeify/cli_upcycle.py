@@ -10,6 +10,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from .card import nats
 from .errors import MoeifyError
 from .terminal import console, fail, json_option, progress_bars, stage_callback, tables, write_json
 
@@ -72,9 +73,7 @@ def _print_result(shown, report: dict, out: Path, json_dest: Optional[str]) -> N
         shown.print(f"[green]checked[/] {escape(c['exact_model'])} against {escape(Path(report['source']).name)}: max "
                     f"|logit difference| {c['max_logit_diff']:.3g} (max |logit| {c['logit_scale']:.3g})",
                     highlight=False, soft_wrap=True)
-    kl = c["kl_to_source"]
-    shown.print(f"as written: KL to {escape(Path(report['source']).name)} "
-                f"{'< 1e-8' if kl < 1e-8 else format(kl, '.4g')} nats; "
+    shown.print(f"as written: KL to {escape(Path(report['source']).name)} {nats(c['kl_to_source'])} nats; "
                 f"{report['experts']} experts of {report['expert_width']} neurons, top-{report['top_k']}",
                 highlight=False, soft_wrap=True)
     shown.print(f"[bold green]wrote[/] {escape(str(out))} in {report['seconds']:.1f} s (check "
