@@ -69,10 +69,17 @@ def write_yaml(path: Path, base: Path, experts: dict[str, Path], prompts: dict[s
     return path
 
 
+# Where GNU time is missing: a fresh Python child runs cmd and prints its children's peak RSS (KB on Linux) last.
+RUSAGE_WRAPPER = ("import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:]).returncode; "
+                  "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); sys.exit(rc)")
+
+
 def timed(cmd: list[str]) -> dict:
-    """Run cmd; its wall seconds and peak resident memory (GNU time's maximum RSS of the child)."""
+    """Run cmd; its wall seconds and peak resident memory (GNU time's maximum RSS of the child; without GNU time,
+    getrusage(RUSAGE_CHILDREN) in a fresh Python child that runs only cmd)."""
+    wrap = ["/usr/bin/time", "-f", "%M"] if Path("/usr/bin/time").is_file() else [sys.executable, "-c", RUSAGE_WRAPPER]
     t0 = time.time()
-    res = subprocess.run(["/usr/bin/time", "-f", "%M", *cmd], capture_output=True, text=True)
+    res = subprocess.run([*wrap, *cmd], capture_output=True, text=True)
     seconds = time.time() - t0
     if res.returncode:
         raise RuntimeError(f"{' '.join(cmd[:3])} failed: {res.stderr.strip().splitlines()[-3:]}")

@@ -1,18 +1,26 @@
 """moeify merge against mergekit-moe on the same work: the same YAML files and sources through both tools, each
-output scored the same way. mergekit 0.1.5 runs from its own venv (out/mergekit-venv, made here when missing:
-`python -m venv`, then `pip install mergekit==0.1.5`; this machine's pip constraints keep torch the CPU build).
+output scored the same way. mergekit 0.1.5 runs from its own venv (out/mergekit-venv, made here when missing, CPU
+torch first so that mergekit's `torch>=2.0.0` pulls no CUDA wheels):
+
+    python -m venv out/mergekit-venv
+    out/mergekit-venv/bin/pip install "torch==2.13.0+cpu" --index-url https://download.pytorch.org/whl/cpu
+    out/mergekit-venv/bin/pip install mergekit==0.1.5      # transformers>=5,<6 (has Qwen2Moe, Qwen3Moe)
 
     python scripts/bench_mergekit.py --rows exactness --json results/upcycling/mergekit-parity-exactness.json
     python scripts/bench_mergekit.py --rows speed --json results/upcycling/mergekit-parity-speed.json   # idle
 
 Rows:
 - exactness: where a merge is defined to compute its base (every expert the base's own FFN), does the output? Per
-  output class: Mixtral (a Llama base), Qwen MoE (a Llama base, 4 routed copies and mergekit's required shared
-  expert, also the base), Qwen3 MoE (a Qwen3 base); tiny random models made here (tests/conftest.py's build_dense
-  and tokenizer), gate_mode random, 4 experts top-2, float32. Each output loaded by transformers
-  (AutoModelForCausalLM, float32): max |logit difference| to the base on 4 × 32 random tokens, and mean KL(base ||
-  output) per token; then by vLLM (--vllm-python, its CPU build; float32) beside the base on the same tokens: max
-  |log-probability difference| of the scored tokens, or the error that stopped it loading.
+  output class: Mixtral (a Llama base), Qwen MoE (a Llama base and a Qwen2 base, whose q/k/v biases are not zero;
+  4 routed copies and mergekit's required shared expert, also the base), Qwen3 MoE (a Qwen3 base); tiny random
+  models made here (tests/conftest.py's build_dense and tokenizer: hidden 64, 3 layers, d_ff 96, vocab 384), one
+  YAML per row read unchanged by both tools (`mergekit-moe CONFIG OUT --i-understand-this-is-not-useful-without-
+  training --random-seed 0`, `moeify merge OUT --config CONFIG`), gate_mode random, 4 experts top-2, float32.
+  Each output loaded by transformers (AutoModelForCausalLM, float32): max |logit difference| to the base on 4 × 32
+  random tokens, and mean KL(base || output) per token, or the one-line error that stopped it loading; wall seconds
+  and peak RSS of each tool's run (GNU time). Then by vLLM (--vllm-python, its CPU build; float32; a missing path
+  skips it) beside the base on the same tokens: max |log-probability difference| of the scored tokens, or the error
+  that stopped it.
 - speed: SmolLM2-135M × 8 and Qwen2.5-Coder-0.5B × 4 (every expert the base, gate_mode random, bfloat16), one run
   of each tool each: wall seconds and peak RSS of the child (GNU time), moeify's end-of-run check included.
 - routing: scripts/bench_merge_routing.py (three SmolLM2 fine-tunes, the same prompts, both tools).
@@ -38,17 +46,27 @@ from bench_merge_routing import timed  # noqa: E402 (one timing helper for both 
 
 VENV = ROOT / "out" / "mergekit-venv"
 MERGEKIT = "mergekit==0.1.5"
+# The local version label lets pip pick only a CPU wheel: from PyTorch's CPU index, or, where that index is out of
+# reach, pip's own configured sources (here /opt/wheels); never PyPI's CUDA build and its GBs of nvidia-* wheels.
+CPU_TORCH = ("torch==2.13.0+cpu", "--index-url", "https://download.pytorch.org/whl/cpu")
 MOEIFY = str(ROOT / ".venv" / "bin" / "moeify")
+# (output class, base family, mergekit's `architecture:`, with mergekit's one shared expert)
 CLASSES = (("Mixtral", "llama", "mixtral", False), ("Qwen MoE", "llama", "qwen", True),
-           ("Qwen3 MoE", "qwen3", "qwen3", False))
+           ("Qwen MoE", "qwen2", "qwen", True), ("Qwen3 MoE", "qwen3", "qwen3", False))
 
 
-def mergekit_moe() -> Path:
-    """out/mergekit-venv/bin/mergekit-moe, the venv made first when missing."""
-    exe = VENV / "bin" / "mergekit-moe"
+def mergekit_moe(venv: Path = VENV) -> Path:
+    """venv/bin/mergekit-moe, the venv made first when missing (CPU torch, then mergekit); checked with --help."""
+    exe = venv / "bin" / "mergekit-moe"
     if not exe.is_file():
-        subprocess.run([shutil.which("python3") or "python3", "-m", "venv", str(VENV)], check=True)
-        subprocess.run([str(VENV / "bin" / "pip"), "install", "-q", "torch==2.13.0", MERGEKIT], check=True)
+        subprocess.run([shutil.which("python3") or "python3", "-m", "venv", str(venv)], check=True)
+        pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+        subprocess.run([*pip, *CPU_TORCH], check=True)
+        subprocess.run([*pip, MERGEKIT], check=True)
+        listed = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "list"], capture_output=True, text=True)
+        if "nvidia-" in listed.stdout:
+            raise SystemExit(f"{venv}: CUDA wheels came with mergekit; remove the venv and install CPU torch first")
+    subprocess.run([str(exe), "--help"], check=True, capture_output=True)
     return exe
 
 
@@ -61,9 +79,11 @@ def write_config(path: Path, base: Path, n: int, architecture: str, shared: bool
     return path
 
 
-def commands(cfg: Path, out: Path) -> dict[str, list[str]]:
-    return {"mergekit-moe": [str(mergekit_moe()), str(cfg), str(out),
-                             "--i-understand-this-is-not-useful-without-training"],
+def commands(cfg: Path, out: Path, venv: Path = VENV) -> dict[str, list[str]]:
+    """Each tool's command line on one YAML, seeded alike (mergekit's random gates are unseeded torch.randn without
+    --random-seed; moeify merge's --seed is 0 by default)."""
+    return {"mergekit-moe": [str(venv / "bin" / "mergekit-moe"), str(cfg), str(out),
+                             "--i-understand-this-is-not-useful-without-training", "--random-seed", "0"],
             "moeify merge": [MOEIFY, "merge", str(out), "--config", str(cfg)]}
 
 
@@ -84,7 +104,7 @@ def against_base(base: Path, out: Path, seed: int = 0) -> dict:
             "kl_nats": max(float(kl), 0.0)}
 
 
-def exactness_rows(work: Path, save) -> list[dict]:
+def exactness_rows(work: Path, save, venv: Path = VENV) -> list[dict]:
     from conftest import build_dense, corpus_text  # the test suite's tiny models and tokenizer
 
     tok_dir = work / "tokenizer"
@@ -96,13 +116,14 @@ def exactness_rows(work: Path, save) -> list[dict]:
         if not (base / "config.json").is_file():  # heads of 32 (vLLM's CPU attention takes no head_dim of 16)
             build_dense(base, tok_dir, family=family, seed=0, num_attention_heads=2, num_key_value_heads=1,
                         **({"head_dim": 32} if family == "qwen3" else {}))
-        cfg = write_config(work / f"{arch}.yml", base, 4, arch, shared, "float32")
+        stem = arch if family in ("llama", arch) else f"{arch}-{family}"  # the first runs' names kept
+        cfg = write_config(work / f"{stem}.yml", base, 4, arch, shared, "float32")
         for tool in ("mergekit-moe", "moeify merge"):
-            out = work / f"out-{arch}-{tool.split()[0]}"
+            out = work / f"out-{stem}-{tool.split()[0]}"
             shutil.rmtree(out, ignore_errors=True)
-            cmd = commands(cfg, out)[tool]
-            row = {"class": name, "tool": tool, "command": " ".join(cmd).replace(str(ROOT) + "/", ""),
-                   "base": str(base), "out": str(out)}
+            cmd = commands(cfg, out, venv)[tool]
+            row = {"class": name, "base_family": family, "tool": tool,
+                   "command": " ".join(cmd).replace(str(ROOT) + "/", ""), "base": str(base), "out": str(out)}
             try:
                 row.update(timed(cmd))
                 row.update(against_base(base, out))
@@ -110,7 +131,7 @@ def exactness_rows(work: Path, save) -> list[dict]:
                 row.update(loads=False, error=str(exc)[:300])
             rows.append(row)
             save(rows)
-            print(f"{name:<10} {tool:<13} {row.get('max_logit_diff', row.get('error'))}", flush=True)
+            print(f"{name:<10} {family:<6} {tool:<13} {row.get('max_logit_diff', row.get('error'))}", flush=True)
     return rows
 
 
@@ -157,7 +178,7 @@ def make_tokenizer(out: Path, text: str) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(out)
 
 
-def speed_rows(work: Path, save) -> list[dict]:
+def speed_rows(work: Path, save, venv: Path = VENV) -> list[dict]:
     rows = []
     for model, n in ((ROOT / "models" / "smollm2-135m", 8), (ROOT / "models" / "qwen2.5-coder-0.5b", 4)):
         arch = "qwen" if "qwen" in model.name else "mixtral"
@@ -167,7 +188,7 @@ def speed_rows(work: Path, save) -> list[dict]:
         if arch == "qwen":  # mergekit's Qwen MoE output needs its shared expert
             lines += ["shared_experts:", f"  - source_model: {model}"]
         cfg.write_text("\n".join(lines) + "\n")
-        for tool, cmd in commands(cfg, work / "out").items():
+        for tool, cmd in commands(cfg, work / "out", venv).items():
             shutil.rmtree(work / "out", ignore_errors=True)
             row = {"model": model.name, "experts": n, "tool": tool,
                    "command": " ".join(cmd).replace(str(ROOT) + "/", ""), **timed(cmd)}
@@ -179,14 +200,16 @@ def speed_rows(work: Path, save) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'class':<10} {'tool':<13} {'max |Δlogit|':>12} {'KL (nats)':>9} {'vLLM |Δlp|':>10} {'s':>6} "
-             f"{'GB':>5}"]
+    """The rows as an 80-column text table (a row that did not load says `no load`; its error is in the JSON)."""
+    lines = [f"{'class':<10} {'base':<6} {'tool':<13} {'max |Δlogit|':>12} {'KL (nats)':>9} {'vLLM |Δlp|':>10} "
+             f"{'s':>6} {'GB':>5}"]
     for r in rows:
         diff = f"{r['max_logit_diff']:.2e}" if r.get("loads") else "no load"
         kl = f"{r['kl_nats']:.1e}" if r.get("loads") else "-"
         vl = f"{r['vllm_max_logprob_diff']:.1e}" if "vllm_max_logprob_diff" in r else "-"
-        lines.append(f"{r.get('class', r.get('model', ''))[:10]:<10} {r['tool']:<13} {diff:>12} {kl:>9} {vl:>10} "
-                     f"{r.get('seconds', 0):6.1f} {r.get('peak_rss_gb', 0):5.2f}")
+        base = r.get("base_family", f"×{r['experts']}" if "experts" in r else "")
+        lines.append(f"{r.get('class', r.get('model', ''))[:10]:<10} {base[:6]:<6} {r['tool']:<13} {diff:>12} "
+                     f"{kl:>9} {vl:>10} {r.get('seconds', 0):6.1f} {r.get('peak_rss_gb', 0):5.2f}")
     return "\n".join(lines)
 
 
@@ -195,11 +218,14 @@ def main() -> None:
     ap.add_argument("--rows", choices=("exactness", "speed"), default="exactness")
     ap.add_argument("--work", type=Path, default=ROOT / "out" / "bench_mergekit")
     ap.add_argument("--vllm-python", type=Path, default=ROOT / "build" / "vllmvenv" / "bin" / "python",
-                    help="vLLM's venv (scripts/check_vllm.py says how to make it); absent: no vLLM columns")
+                    help="vLLM's venv (scripts/check_vllm.py says how to make it); a missing path: no vLLM columns")
+    ap.add_argument("--mergekit-venv", type=Path, default=VENV, help="mergekit's own venv, made here when missing")
     ap.add_argument("--json", type=Path, required=True)
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    pins = subprocess.run([str(VENV / "bin" / "pip"), "list", "--format", "json"], capture_output=True, text=True)
+    mergekit_moe(args.mergekit_venv)
+    pins = subprocess.run([str(args.mergekit_venv / "bin" / "python"), "-m", "pip", "list", "--format", "json"],
+                          capture_output=True, text=True)
     versions = {p["name"]: p["version"] for p in json.loads(pins.stdout or "[]")
                 if p["name"] in ("mergekit", "torch", "transformers")} if pins.returncode == 0 else {}
     result = {"date": time.strftime("%Y-%m-%d"), "rows_kind": args.rows, "mergekit_venv": versions,
@@ -210,8 +236,7 @@ def main() -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n")
 
-    mergekit_moe()
-    rows = exactness_rows(args.work, save) if args.rows == "exactness" else speed_rows(args.work, save)
+    rows = (exactness_rows if args.rows == "exactness" else speed_rows)(args.work, save, args.mergekit_venv)
     if args.rows == "exactness" and args.vllm_python.is_file():
         vllm_columns(rows, args.work, args.vllm_python)
         save(rows)
