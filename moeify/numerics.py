@@ -37,6 +37,25 @@ def release_memory() -> None:
         pass
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+MAP_ABOVE = 4 << 20  # bytes
+
+
+def map_large_allocations(threshold: int = MAP_ABOVE) -> None:
+    """Have glibc map every allocation of `threshold` bytes or more and unmap it when freed. By default glibc raises
+    that threshold (up to 32 MiB) as mapped blocks are freed, and then serves a training step's tensors (FSDP2's
+    and gloo's buffers, gradients, activations) from its heap, where what a step frees stays fragmented in the
+    process's memory: measured on the CPU, next-token training of a 110M-parameter upcycle across 2 processes held
+    about 0.3 GB more per process than with the threshold fixed at 4 MiB (moeify.tuning.lm calls this on CPU runs).
+    A no-op where the C library has no mallopt, or with MOEIFY_MALLOC_TRIM=0 (as release_memory)."""
+    if os.environ.get("MOEIFY_MALLOC_TRIM") == "0":
+        return
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt(M_MMAP_THRESHOLD, int(threshold))
+    except (OSError, AttributeError):
+        pass
+
+
 def ffn_activations(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Intermediate activations act(gate x) * (up x). x: (n, d_model) -> (n, d_ff)."""
     return F.silu(x @ gate.T) * (x @ up.T)

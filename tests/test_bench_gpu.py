@@ -232,3 +232,22 @@ def test_profile_decode_step_counts_each_part_of_a_dense_model_and_its_carve(sma
     assert m["attention"] == d["attention"] > 0
     assert got["rows"]["carve"]["total"] > got["rows"]["dense"]["total"]
     assert "one decode step, operators by part" in res.stdout
+
+
+def test_bench_gpu_train_runs_both_modes_on_cpu(tmp_path, tokenizer_dir):
+    """bench_gpu_train.py at a tiny shape: the dense model, its E8 top-2 upcycle, a plain and an offloaded training
+    run, each with its peak, prediction and tokens/s a process."""
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu_train.py"), "--device", "cpu", "--quick",
+                          "--shape", "tiny", "--layers", "2", "--vocab", "512", "--tokenizer", str(tokenizer_dir),
+                          "--tokens", "1024", "--step-tokens", "512", "--work", str(tmp_path / "work"),
+                          "--json", str(tmp_path / "train.json")],
+                         capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
+                                                              "MOEIFY_AUTOCAST": "off"})
+    assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-2000:]
+    out = json.loads((tmp_path / "train.json").read_text())
+    assert out["errors"] == {} and out["skipped"] == []
+    assert out["shape"]["num_local_experts"] == 8 and out["shape"]["num_experts_per_tok"] == 2
+    assert set(out["train"]) == {"plain", "offload"}
+    for mode, row in out["train"].items():
+        assert row["offload"] == (mode == "offload") and row["processes"] == 1 and row["steps"] == 2
+        assert row["peak_bytes"] > 0 and row["predicted_peak_bytes"] > 0 and row["tokens_per_second_per_process"] > 0

@@ -2,13 +2,16 @@
 sharded by FSDP2, each step's windows split by rank. Two processes end where one does on the same tokens (float32:
 the relative difference of every tensor's update), for a full-width upcycle, a fine-grained one and a merge; the
 expert load of the curve is counted over both ranks' tokens; a rank killed mid-run, then --resume, ends with the
-uninterrupted run's weights; a rank held back at each phase finishes with them; a rank that never arrives ends the
-other within the timeout. The ranks are held back by tests/held_back.py."""
+uninterrupted run's weights, and so does one stopped by SIGTERM to rank 0 (rank 1 stuck in a step) or by Ctrl-C of
+torchrun; a rank held back at each phase finishes with them; a rank that never arrives ends the other within the
+timeout; `accelerate launch` ends with torchrun's weights. The ranks are held back by tests/held_back.py."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -170,3 +173,76 @@ def test_a_rank_that_never_arrives_ends_the_other_within_the_timeout(outputs, tm
     assert f"moeify tune {out} --resume" in errors[0]
     assert time.monotonic() - held_at < 4 + 2 + 10
     assert (out / "model.safetensors").read_bytes() == before
+
+
+def _until_held(args: list[str], env: dict) -> tuple[subprocess.Popen, list[str]]:
+    """A 2-process run started, its output read up to the first rank held back (tests/held_back.py)."""
+    proc = subprocess.Popen(_two_cmd(args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    while not (lines and lines[-1].startswith("held_back:")):
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+    return proc, lines
+
+
+def test_sigterm_while_a_rank_waits_in_a_collective_ends_every_rank_and_resumes(outputs, tmp_path):
+    """Rank 1 is stuck inside step 3, rank 0 waits for it in a collective: SIGTERM to rank 0 alone ends it within
+    the stop grace (2 s) with one line, torchrun then stops rank 1; the state saved after step 2 is kept, and
+    --resume finishes with the uninterrupted two-process run's weights."""
+    out = _copy(outputs / "full", tmp_path / "out")
+    pids = tmp_path / "pids"
+    proc, lines = _until_held(["tune", str(out), "--tune-text", str(outputs / "train.txt"), *FLAGS, "--timeout",
+                               "300"], _env("1|step 3|forever", MOEIFY_STOP_GRACE="2", MOEIFY_TEST_PIDS=str(pids)))
+    time.sleep(1.0)  # rank 0 is in the collective by now
+    sent = time.monotonic()
+    os.kill(int((pids / "0").read_text()), signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=120)
+    text = "".join(lines) + rest
+    assert proc.returncode != 0 and time.monotonic() - sent < 2 + 2 + 8, text[-3000:]
+    assert any(ln.startswith("interrupted: rank 0 stopped by SIGTERM in step 3 of the training loop (still running "
+                             "2 s after the signal)") for ln in text.splitlines()), text[-3000:]
+    for rank in ("0", "1"):
+        with pytest.raises(ProcessLookupError):
+            os.kill(int((pids / rank).read_text()), 0)
+    assert read_json(Path(str(out) + ".moeify-tune") / "state.json")["meta"]["step"] == 2
+    res = _two(["tune", str(out), "--resume"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    _assert_same(outputs / "full-two", out)
+
+
+def test_sigint_to_the_launcher_saves_on_every_rank_and_resumes(outputs, tmp_path):
+    """Ctrl-C of torchrun mid-run (rank 1 slowed in step 3 so the signal lands in the loop): torchrun passes it
+    to both ranks, which stop at the end of a step with the state saved; --resume ends with the uninterrupted
+    two-process run's weights."""
+    out = _copy(outputs / "full", tmp_path / "out")
+    proc, lines = _until_held(["tune", str(out), "--tune-text", str(outputs / "train.txt"), *FLAGS],
+                              _env("1|step 3|3"))
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=120)
+    text = "".join(lines) + rest
+    assert proc.returncode != 0, text[-3000:]
+    saved = read_json(Path(str(out) + ".moeify-tune") / "state.json")["meta"]["step"]
+    assert 2 <= saved < 5, text[-3000:]
+    res = _two(["tune", str(out), "--resume"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    _assert_same(outputs / "full-two", out)
+
+
+def test_accelerate_launch_runs_as_torchrun_does(outputs, tmp_path):
+    """`accelerate launch --multi_gpu --num_processes 2` (torchrun underneath; on a machine without GPUs the ranks
+    use gloo on the CPU) ends with the weights of the torchrun run. (`--cpu --num_processes 2` would start one
+    process: accelerate launches several CPU processes only through mpirun.)"""
+    out = _copy(outputs / "full", tmp_path / "out")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+              str(port), str(HELD_BACK)]
+    res = subprocess.run(launch + ["tune", str(out), "--tune-text", str(outputs / "train.txt"), *FLAGS],
+                         env=_env(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert read_json(out / "report.json")["training"]["runs"][-1]["processes"] == 2
+    _assert_same(outputs / "full-two", out)

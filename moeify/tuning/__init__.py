@@ -26,6 +26,8 @@ contracts check it):
                  and processes (torchrun: checks agreed, phases met, rank 0 writing)
     lm_loop.py   beside sizing.py: its loop (the model whole or sharded by FSDP2, windows split by rank, the
                  load summed over the ranks, snapshots)
+    lm_weights.py  below it: the model built on the meta device, each rank reading only its shards from OUT;
+                 the output gathered and written one parameter at a time
     lm_options.py  beside options.py: what such a run is asked to do (TrainOptions) and its routing measures
 
 Resumable: the run's whole state lives in `OUT.moeify-tune/` (state.py describes its files), saved atomically;

@@ -39,8 +39,9 @@ import torch
 
 from ..checkpoint import CheckpointReader
 from ..errors import MoeifyError
-from ..writer import check_free_space, commit_output, prepare_output
+from ..writer import ShardLayout, ShardWriter, check_free_space, check_written, commit_output, prepare_output
 from .lm_options import HOLD_OUT, TrainOptions, balance, is_trainable_output, load_summary, moe_shape
+from .lm_weights import planned, write_weights
 from .options import Progress
 from .state import (
     STATE_VERSION,
@@ -109,11 +110,13 @@ def train_output(out: str | Path, opts: TrainOptions | None = None, *, resume: b
     accelerate launch) the model is sharded across the processes (moeify.tuning.lm_loop); offload: its weights,
     gradients and AdamW state in host memory (FSDP2 CPU offload). timeout: across processes, the seconds a rank
     waits for the others (moeify.parallel.collective_timeout)."""
-    from ..numerics import resolve_device
+    from ..numerics import map_large_allocations, resolve_device
     from ..parallel import setup
 
     out = Path(out)
     par = setup(resolve_device(device), timeout)
+    if par.device == "cpu":  # what a step frees goes back to the system (train_memory counts no fragmented heap)
+        map_large_allocations()
     par.resume_hint = f"moeify tune {out} --resume"
     try:
         return _train_across(out, par, opts, resume=resume, restart=restart, save_every=save_every,
@@ -233,40 +236,27 @@ def _train_across(out: Path, par, opts: TrainOptions | None, *, resume: bool, re
     from .sizing import peak_memory
 
     info["peak_bytes"], info["peak_what"] = peak_memory(par.device)
+    info["largest_peak_bytes"] = par.most(info["peak_bytes"])  # of any process (a collective)
     info["predicted_peak_bytes"] = predicted_memory(json.loads((out / "config.json").read_text()), opts, seq,
                                                     par.device, par.world, bool(par.offload)).peak
     par.arrive("writing the output")
     return _write(out, root, model, report, info, opts, par)
 
 
-def _gathered(model, dtype: torch.dtype, par) -> dict | None:
-    """A sharded model's whole state in OUT's dtype, one tensor gathered at a time (a collective: every rank calls
-    it), on rank 0 (None on the others)."""
-    from ..parallel import full
-
-    whole = {}
-    for name, t in model.state_dict().items():
-        value = full(t.detach())
-        if par.main:
-            whole[name] = value.to("cpu", dtype)
-        del value
-    return whole if par.main else None
-
-
 def _write(out: Path, root: Path, model, report: dict, info: dict, opts: TrainOptions, par) -> dict:
-    """The trained weights in OUT's dtype and tensor names (transformers' own saving, checked against the base's
-    names, shapes and dtypes), OUT's config, tokenizer and files, report.json with the run, the card: all or nothing.
-    A sharded model is gathered to rank 0, which writes; the others return without waiting for it."""
+    """The trained weights in OUT's dtype and tensor names (checked against the base's names, shapes and dtypes
+    before and after), OUT's config, tokenizer and files, report.json with the run, the card: all or nothing. A
+    sharded model is gathered to rank 0 one parameter at a time as it writes (moeify.tuning.lm_weights)."""
     from ..card import write as write_card
 
     base = CheckpointReader(out)
     try:
         dtype = next(iter(base.tensors.values())).dtype
-        expected = {name: (tuple(t.shape), t.dtype) for name, t in base.tensors.items()}
+        order = planned(model, base.tensors)  # the base's names and shapes, or refused before any gathering
     finally:
         base.close()
-    whole = _gathered(model, dtype, par) if par.sharded else None
     if not par.main:
+        write_weights(model, None, None, dtype, par)
         return report
     report = copy.deepcopy(report)
     runs = list(report.get("training", {}).get("runs", [])) + [info]
@@ -274,24 +264,10 @@ def _write(out: Path, root: Path, model, report: dict, info: dict, opts: TrainOp
                           "held_out_perplexity": info["held_out_after"]["perplexity"], "runs": runs}
     tmp = prepare_output(out, overwrite=True)
     try:
-        weights = tmp / "weights"
-        if whole is None:
-            model.to(dtype).save_pretrained(weights, safe_serialization=True, max_shard_size="5GB")
-        else:
-            model.save_pretrained(weights, state_dict=whole, safe_serialization=True, max_shard_size="5GB")
-        written = CheckpointReader(weights)
-        try:
-            got = {name: (tuple(t.shape), t.dtype) for name, t in written.tensors.items()}
-        finally:
-            written.close()
-        if got != expected:
-            diff = sorted(set(got) ^ set(expected)) or sorted(n for n in got if got[n] != expected[n])
-            raise RuntimeError(f"output check failed: the trained tensors differ from {out}'s in names, shapes or "
-                               f"dtypes (e.g. {diff[:3]})")
-        for f in weights.iterdir():
-            if f.suffix == ".safetensors" or f.name.endswith(".index.json"):
-                f.rename(tmp / f.name)
-        shutil.rmtree(weights)
+        writer = ShardWriter(tmp, ShardLayout.plan(order, 5 * 10**9))
+        write_weights(model, writer, {t.name for t in order}, dtype, par)
+        writer.finish()
+        check_written(tmp, order)
         for f in out.iterdir():
             if f.is_file() and f.suffix != ".safetensors" and not f.name.endswith(".index.json") and not (
                     tmp / f.name).exists():

@@ -44,20 +44,25 @@ def _base_lr(p: torch.Tensor, rel: float) -> float:
 
 
 def load_model(out, dev: str, par, opts: TrainOptions, bf16: bool):
-    """OUT's model in float32 with what trains marked: on `dev` in one process; sharded by FSDP2 (each decoder layer
-    a group, then the rest) across processes or for offload, in bf16 compute on a GPU."""
-    from transformers import AutoModelForCausalLM
+    """OUT's model in float32 with what trains marked: whole on `dev` in one process; sharded by FSDP2 (each decoder
+    layer a group, then the rest) across processes or for offload, in bf16 compute on a GPU. Built on the meta
+    device and given only this rank's weights (moeify.tuning.lm_weights)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    from .lm_weights import load_weights
+
+    config = AutoConfig.from_pretrained(str(out), local_files_only=True, trust_remote_code=False)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
     model.eval()  # no dropout; the router's jitter off: a step is a function of the weights and the windows
     for name, p in model.named_parameters():
         p.requires_grad_(_selected(name, opts))
-    if not par.sharded:
-        return model.to(dev)
-    lowp = torch.bfloat16 if bf16 else None
-    for layer in model.model.layers:
-        par.shard(layer, lowp)
-    par.shard(model, lowp)
+    if par.sharded:
+        lowp = torch.bfloat16 if bf16 else None
+        for layer in model.model.layers:
+            par.shard(layer, lowp)
+        par.shard(model, lowp)
+    load_weights(model, out, dev, par)
     return model
 
 

@@ -32,6 +32,7 @@ def load_teacher(src: Path, dev: str, par=None):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ..parallel import Parallel
+    from .lm_weights import materialise
 
     par = par or Parallel()
     if not par.on:
@@ -50,14 +51,7 @@ def load_teacher(src: Path, dev: str, par=None):
     for layer in teacher.model.layers:
         par.shard_frozen(layer.self_attn)
         par.shard_frozen(layer.mlp)
-    teacher.to_empty(device=dev)
-    teacher.tie_weights()  # to_empty gives tied weights separate storage
-    rotary = teacher.model.rotary_emb  # its buffers are computed from the config, not read
-    teacher.model.rotary_emb = type(rotary)(teacher.config).to(dev)
-    others = [n for n, _ in teacher.named_buffers() if not n.startswith("model.rotary_emb.")]
-    if others:  # a buffer to_empty left uninitialised
-        raise MoeifyError(f"{src}: tuning across processes cannot build this model's buffers ({', '.join(others)})",
-                          "tune it in one process")
+    materialise(teacher, dev, src, "tune it in one process")
     try:
         with torch.no_grad():
             for name, p in teacher.named_parameters():
