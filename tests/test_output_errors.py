@@ -147,3 +147,52 @@ def test_an_os_error_of_another_path_is_not_the_outputs(tmp_path):
     for own in (tmp_path, out / "config.json", tmp_path / "out.moeify-old" / "x", tmp_path / "out.moeify-tune"):
         with pytest.raises(MoeifyError, match="could not be written: Input/output error"), output_errors(out):
             raise OSError(errno.EIO, os.strerror(errno.EIO), str(own))
+
+
+@pytest.fixture(scope="module")
+def tunable(tmp_path_factory, tokenizer_dir, sources) -> dict[str, Path]:
+    """A carve of source a (its dense model beside it) and an upcycle of it, each for `tune` to rewrite in place."""
+    from conftest import corpus_text
+    from moeify.config import build_config
+    from moeify.conversion import plan_conversion, run_conversion
+    from moeify.upcycling import UpcycleSettings, plan_upcycle, run_upcycle
+    from tuning_fixtures import CARVE
+
+    root = tmp_path_factory.mktemp("tunable")
+    run_conversion(plan_conversion(sources[0], build_config(**CARVE)), root / "carve")
+    run_upcycle(plan_upcycle(sources[0], UpcycleSettings(copies=2, top_k=2, symmetry="drop")), root / "upcycle")
+    (root / "train.txt").write_text(corpus_text(6000))
+    return {"dense": sources[0], "carve": root / "carve", "upcycle": root / "upcycle", "text": root / "train.txt"}
+
+
+TUNES = {  # the command line that tunes `out` in place
+    "tune": lambda out, t: ["tune", t["dense"], out, "--tokens", "1024", "--tune-generated", "0"],
+    "tune --tune-text": lambda out, t: ["tune", out, "--tune-text", t["text"], "--tokens", "64"],
+}
+
+
+@pytest.mark.parametrize("where", ["output", "state"])
+@pytest.mark.parametrize("command", TUNES)
+def test_the_disk_filling_while_tune_writes_leaves_the_output_as_it_was(command, where, tmp_path, tunable,
+                                                                         monkeypatch):
+    """tune rewrites OUT in place, and saves its state in OUT.moeify-tune as it goes: the disk filling in a shard of
+    either is one line naming OUT and the file, and OUT stays as it was, with no OUT.moeify-partial beside it."""
+    import shutil
+
+    out = Path(shutil.copytree(tunable["carve" if command == "tune" else "upcycle"], tmp_path / "out"))
+    before = tree_hash(out)
+    real, filled = ShardWriter._open, []
+    marker = PARTIAL_SUFFIX if where == "output" else ".moeify-tune"
+
+    def nearly_full(self, path):
+        if marker not in str(path):
+            return real(self, path)
+        filled.append(path)
+        return FullDisk(real(self, path), room=20_000)
+
+    monkeypatch.setattr(ShardWriter, "_open", nearly_full)
+    res = CliRunner().invoke(app, [str(a) for a in TUNES[command](out, tunable)])
+    assert_refused(res, str(out), "no space left on the device", marker,
+                   "free some space or write the output to another disk")
+    assert filled and tree_hash(out) == before
+    assert not out.with_name(out.name + PARTIAL_SUFFIX).exists()

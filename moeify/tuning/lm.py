@@ -39,7 +39,8 @@ import torch
 
 from ..checkpoint import CheckpointReader
 from ..errors import MoeifyError
-from ..writer import ShardLayout, ShardWriter, check_free_space, check_written, commit_output, prepare_output
+from ..writer import (ShardLayout, ShardWriter, check_free_space, check_written, commit_output, output_errors,
+                      prepare_output)
 from .lm_options import HOLD_OUT, TrainOptions, balance, is_trainable_output, load_summary, moe_shape
 from .lm_weights import planned, write_weights
 from .options import Progress
@@ -119,9 +120,10 @@ def train_output(out: str | Path, opts: TrainOptions | None = None, *, resume: b
         map_large_allocations()
     par.resume_hint = f"moeify tune {out} --resume"
     try:
-        return _train_across(out, par, opts, resume=resume, restart=restart, save_every=save_every,
-                             progress=progress if par.main else None, notify=notify if par.main else None,
-                             given=given, memory_check=memory_check, offload=offload)
+        with output_errors(out):  # an OS error writing OUT or its state: one line naming OUT, OUT as it was
+            return _train_across(out, par, opts, resume=resume, restart=restart, save_every=save_every,
+                                 progress=progress if par.main else None, notify=notify if par.main else None,
+                                 given=given, memory_check=memory_check, offload=offload)
     except RuntimeError as exc:
         failed = par.failure(exc)
         if failed is None:
@@ -247,8 +249,6 @@ def _write(out: Path, root: Path, model, report: dict, info: dict, opts: TrainOp
     """The trained weights in OUT's dtype and tensor names (checked against the base's names, shapes and dtypes
     before and after), OUT's config, tokenizer and files, report.json with the run, the card: all or nothing. A
     sharded model is gathered to rank 0 one parameter at a time as it writes (moeify.tuning.lm_weights)."""
-    from ..card import write as write_card
-
     base = CheckpointReader(out)
     try:
         dtype = next(iter(base.tensors.values())).dtype
@@ -262,6 +262,16 @@ def _write(out: Path, root: Path, model, report: dict, info: dict, opts: TrainOp
     runs = list(report.get("training", {}).get("runs", [])) + [info]
     report["training"] = {"tokens": sum(r["tokens"] for r in runs), "seconds": round(sum(r["seconds"] for r in runs), 1),
                           "held_out_perplexity": info["held_out_after"]["perplexity"], "runs": runs}
+    _write_main(out, model, report, order, dtype, par)
+    shutil.rmtree(root, ignore_errors=True)
+    return report
+
+
+def _write_main(out: Path, model, report: dict, order: list, dtype: torch.dtype, par) -> None:
+    """Rank 0's part of _write: OUT.moeify-partial written whole, then put in OUT's place."""
+    from ..card import write as write_card
+
+    runs = report["training"]["runs"]
     tmp = prepare_output(out, overwrite=True)
     try:
         writer = ShardWriter(tmp, ShardLayout.plan(order, 5 * 10**9))
@@ -283,8 +293,6 @@ def _write(out: Path, root: Path, model, report: dict, info: dict, opts: TrainOp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    shutil.rmtree(root, ignore_errors=True)
-    return report
 
 
 __all__ = ["TrainOptions", "balance", "is_trainable_output", "load_summary", "train_output"]

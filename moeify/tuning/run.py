@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..checkpoint import CheckpointReader
-from ..writer import check_free_space, commit_output, prepare_output
+from ..writer import check_free_space, commit_output, output_errors, prepare_output
 from ..errors import MoeifyError
 from ..families import SourceModel, load_source
 from ..numerics import release_memory, resolve_device
@@ -164,9 +164,10 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
     par = setup(resolve_device(device), timeout)
     par.resume_hint = resume_command(src, out)
     try:
-        return _tune_across(src, out, root, par, opts, resume=resume, restart=restart, save_every=save_every,
-                            progress=progress, notify=notify, base=base, given=given, memory_check=memory_check,
-                            offload=offload, precompute_targets=precompute_targets)
+        with output_errors(out):  # an OS error writing OUT or its state: one line naming OUT, OUT as it was
+            return _tune_across(src, out, root, par, opts, resume=resume, restart=restart, save_every=save_every,
+                                progress=progress, notify=notify, base=base, given=given,
+                                memory_check=memory_check, offload=offload, precompute_targets=precompute_targets)
     except RuntimeError as exc:
         failed = par.failure(exc)
         if failed is None:
