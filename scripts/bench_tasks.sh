@@ -14,6 +14,8 @@
 #   smollm2-contribution  the 50% preset with its shared expert chosen by contribution (shared_by), beside the
 #                  preset and its seed-1 twin (their answers cached by smollm2-1000: ~4 min carving + ~12 min)
 #   smollm2-active75  a 75% layout training-free beside both presets (~3 min carving + ~10 min of tasks)
+#   smollm2-dense-layers  the 50% preset with its 2 most sensitive layers kept dense and top-10 elsewhere (equal
+#                  compute), beside the preset and its seed-1 twin (~4 min carving + ~12 min of tasks)
 #   qwen05-1000    Qwen2.5-Coder-0.5B, the 50% preset (its file written), then its seed-1 twin beside it, first
 #                  1,000 items (~25 min of carving + ~2 h of tasks)
 # Run it alone (nice is fine): tuning and scoring share nothing with other jobs but the cores.
@@ -78,6 +80,17 @@ for step in ${*:-smollm2-262k}; do
       .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/smollm2-a50 out/smollm2-a25 out/smollm2-a75 \
         --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
         --out results/quality/tasks-smollm2-active75-1000.json ;;
+    smollm2-dense-layers)  # lever 1 at equal compute: the 2 layers of largest carve error kept dense (auto:2), the
+      # others' routed top-k 12 -> 10 of 36 (49.4% average active, the preset 50.0%); transformers and vLLM only
+      carve models/smollm2-135m out/smollm2-a50 50
+      carve models/smollm2-135m out/smollm2-a50-seed1 50 --seed 1
+      sed -e 's/^targets = .*/targets = ["transformers", "vllm"]/' configs/active-50.toml \
+        > out/levers/active-50-dense_layers-auto2-top10.toml
+      carve models/smollm2-135m out/smollm2-a50-dense2 out/levers/active-50-dense_layers-auto2-top10 \
+        --dense-layers auto:2 --top-k 10
+      .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/smollm2-a50 out/smollm2-a50-seed1 \
+        out/smollm2-a50-dense2 --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
+        --out results/quality/tasks-smollm2-dense-layers-1000.json ;;
     qwen05-1000)  # the dense model and the 50% preset first (their file written), then its --seed 1 twin beside them
       carve models/qwen2.5-coder-0.5b out/qwen05-a50 50
       .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/qwen05-a50 \
@@ -88,7 +101,7 @@ for step in ${*:-smollm2-262k}; do
         --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
         --out results/quality/tasks-qwen05-trainingfree-1000.json ;;
     *) echo "bench_tasks.sh: unknown step $step (smollm2-262k, qwen05-free, qwen05-262k, smollm2-1000," \
-         "smollm2-contribution, smollm2-active75, qwen05-1000)" >&2
+         "smollm2-contribution, smollm2-active75, smollm2-dense-layers, qwen05-1000)" >&2
        exit 2 ;;
   esac
 done
