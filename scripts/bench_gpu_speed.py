@@ -105,13 +105,13 @@ def dense_step_speed(path: Path, device: str, step_tokens: int, seq: int, micro:
 
 
 def sampling_speed(path: Path, device: str, batch: int, seq: int, keep_hidden: bool) -> dict:
-    """Generated tokens/s of the dense model's own text as a tuning run samples it (moeify.sampling.sample_text:
+    """Generated tokens/s of the dense model's own text as a tuning run samples it (moeify.training.sampling.sample_text:
     windows of `seq` from 16-token prompts, a static KV cache, bf16 autocast on a GPU), one batch after a warm-up
     batch (on a GPU generate() compiles the forward with CUDA graphs where no hidden states are kept). keep_hidden:
     the teacher-pass path (the final hidden states kept, compilation off), else the teacher-in-the-loop one."""
     from transformers import AutoModelForCausalLM
 
-    from moeify.sampling import sample_text
+    from moeify.training.sampling import sample_text
 
     cuda = device.startswith("cuda")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()

@@ -7,7 +7,7 @@ import re
 
 from rich.console import Console
 
-from moeify import terminal
+from moeify.cli import terminal
 
 
 def test_log_file_gets_a_line_a_minute_and_the_last(monkeypatch):
