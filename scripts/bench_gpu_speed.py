@@ -33,7 +33,7 @@ from gpu_steps import SMOL, Bench, arguments, moeify, script
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}  # dense, no sparsity
 
 # the tuning step's variants timed side by side: the MoE block's kernel, and the forwards through torch.compile;
-# the first is what a run on a GPU takes (moeify.distill: grouped, compiled)
+# the first is what a run on a GPU takes (moeify.training.distill: grouped, compiled)
 KERNEL_VARIANTS = (("grouped", True), ("grouped", False), ("masked", False))
 
 

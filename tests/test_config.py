@@ -1,4 +1,4 @@
-"""moeify.config: how flags and presets become a ConvertConfig."""
+"""moeify.formats.config: how flags and presets become a ConvertConfig."""
 
 from __future__ import annotations
 

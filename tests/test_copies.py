@@ -1,4 +1,4 @@
-"""moeify.copies: the upcycling maths, pure tensors (as test_partition checks the carve's)."""
+"""moeify.upcycling.copies: the upcycling maths, pure tensors (as test_partition checks the carve's)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""moeify.terminal: the progress bars' plain lines in a log file (no live bar there)."""
+"""moeify.cli.terminal: the progress bars' plain lines in a log file (no live bar there)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""moeify command line: parses flags, calls the library, renders with rich. Only cli.py and report.py print."""
+"""moeify command line: parses flags, calls the library, renders with rich. Only moeify/cli/ prints."""
 
 from __future__ import annotations
 

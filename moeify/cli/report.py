@@ -1,4 +1,4 @@
-"""Rich rendering of plans and results. Only cli.py and report.py print."""
+"""Rich rendering of plans and results. Only moeify/cli/ prints."""
 
 from __future__ import annotations
 

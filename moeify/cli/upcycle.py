@@ -1,5 +1,5 @@
 """`moeify upcycle`: parses its flags, calls moeify.api.upcycle's two halves, renders the plan and the result.
-Registered on cli.app by cli.py."""
+Registered on the app by cli/app.py."""
 
 from __future__ import annotations
 
