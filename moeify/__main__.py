@@ -1,5 +1,5 @@
 """`python -m moeify ...` (and `torchrun --nproc-per-node G -m moeify tune ...`): the moeify command line."""
 
-from .cli import main
+from .cli.app import main
 
 main()

@@ -10,7 +10,7 @@ calls these and renders what they return.
     scores = moeify.evaluate(["Qwen/Qwen2.5-0.5B", "out/qwen-moe"], data="valid.txt")
     print(moeify.plan("meta-llama/Llama-3.1-70B", preset="active-25").regimes)   # config.json only
 
-A checkpoint is a folder or a Hugging Face Hub id (`org/name`, `org/name@revision`; moeify.hub). progress is called
+A checkpoint is a folder or a Hugging Face Hub id (`org/name`, `org/name@revision`; moeify.formats.hub). progress is called
 as progress(stage, done, total) (and a note, for tuning), as the command line's progress bars are.
 """
 
@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .config import DEFAULT_PRESET, ConvertConfig, build_config
+from .formats.config import DEFAULT_PRESET, ConvertConfig, build_config
 from .errors import MoeifyError
-from .hub import resolve
+from .formats.hub import resolve
 
 Progress = Callable[..., None]
 LAYOUT_FLAGS = ("experts", "top_k", "shared")
@@ -43,19 +43,19 @@ def prepare_conversion(src: str | Path, *, preset: str | Path | None = None, tun
                        weight_only: bool = False, calib: Sequence[str | Path] | None = None,
                        serve: str | None = None, allow_pickle: bool = False, allow_nonfinite: bool = False,
                        force: bool = False, **settings):
-    """The conversion's plan (moeify.conversion.ConversionPlan: layout, tensors, budget, engine notes) and the notes
+    """The conversion's plan (moeify.carving.conversion.ConversionPlan: layout, tensors, budget, engine notes) and the notes
     on how the settings resolved, before anything is written (`moeify convert --dry-run` prints this).
 
     No preset and no --experts/--top-k/--shared: the recommended preset (DEFAULT_PRESET), said in a note. tune:
     None as the preset says, False none, an int that many tokens. serve: the serving format the preset's layout is
-    resolved for (moeify.layout.SERVE_QUANTA: k-quants, fp8, q8_0, bf16; default: the preset's own widths)."""
-    from .conversion import plan_conversion
+    resolved for (moeify.formats.layout.SERVE_QUANTA: k-quants, fp8, q8_0, bf16; default: the preset's own widths)."""
+    from .carving.conversion import plan_conversion
 
     notes: list[str] = []
     unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(ConvertConfig)} - {"max_shard_size"})
     if unknown:
         raise MoeifyError(f"convert() got unknown setting(s): {', '.join(unknown)}",
-                          "the settings are ConvertConfig's fields (moeify.config), as `moeify convert --help` names them")
+                          "the settings are ConvertConfig's fields (moeify.formats.config), as `moeify convert --help` names them")
     if weight_only and calib:
         raise MoeifyError("--weight-only and --calib contradict each other", "pass one of them")
     if preset is None and all(settings.get(k) is None for k in LAYOUT_FLAGS):
@@ -77,7 +77,7 @@ def prepare_conversion(src: str | Path, *, preset: str | Path | None = None, tun
 def run_prepared(plan, out: str | Path, notes: list[str] | None = None, *, overwrite: bool = False,
                  progress: Progress | None = None, memory_check: bool = True) -> Conversion:
     """Write the output a prepared conversion plans (and tune it, if its settings say so)."""
-    from .conversion import run_conversion
+    from .carving.conversion import run_conversion
 
     report = run_conversion(plan, out, overwrite=overwrite, progress=progress, memory_check=memory_check)
     return Conversion(Path(out), report, list(notes or []), list(plan.reader.nonfinite))
@@ -166,8 +166,8 @@ def evaluate(models: Sequence[str | Path], data: str | Path | None = None, *, ta
              task_batch_size: int = 16, task_cache: str | Path | None = None, progress: Progress | None = None,
              **settings):
     """Perplexity of every model (folders or Hub ids; the first is the reference) on the same tokens and windows,
-    with parameters, tokens/s and routing statistics (moeify.evaluation.EvalResult). settings: seq_len, stride,
-    max_tokens, batch_size, device, dtype, oracle, kl, generation (moeify.evaluation.EvalSettings).
+    with parameters, tokens/s and routing statistics (moeify.evaluation.perplexity.EvalResult). settings: seq_len, stride,
+    max_tokens, batch_size, device, dtype, oracle, kl, generation (moeify.evaluation.perplexity.EvalSettings).
 
     tasks ("arc_easy,piqa" or a list; needs `pip install 'moeify[tasks]'`): also zero-shot accuracy through
     lm-evaluation-harness on the same items for every model (result.tasks: value ± SE, difference to the first model
@@ -175,20 +175,20 @@ def evaluate(models: Sequence[str | Path], data: str | Path | None = None, *, ta
     task_dir (lm-eval task YAMLs), then among the six bundled definitions over the files in task_data (or
     $MOEIFY_TASK_DATA), then in lm-eval's registry (data from the Hub). limit: the first N items of each task;
     task_batch_size: contexts (with their choices) per forward. task_cache: a folder where each model's answers are kept as
-    they are computed (moeify.tasks.AnswerCache): an interrupted run resumes there, a model scored before is not
+    they are computed (moeify.evaluation.tasks.AnswerCache): an interrupted run resumes there, a model scored before is not
     scored again.
     Each moeify output among the others records its numbers beside the first model's in its card (OUT/README.md,
     OUT/evaluation.json)."""
     from dataclasses import asdict
 
-    from .card import record_evaluation
-    from .evaluation import EvalSettings, evaluate as run
-    from .hub import hub_origin
+    from .formats.card import record_evaluation
+    from .evaluation.perplexity import EvalSettings, evaluate as run
+    from .formats.hub import hub_origin
 
     loaded, scored, visit = None, [], None
     if tasks is not None:  # every task file and name checked before any model is loaded
-        from .tasks import compare_tasks, load_tasks, score_tasks
-        from .text import load_tokenizer
+        from .evaluation.tasks import compare_tasks, load_tasks, score_tasks
+        from .formats.text import load_tokenizer
 
         loaded = load_tasks(tasks, task_dir=task_dir, task_data=task_data, limit=limit)
         if settings.get("generation") is None:
@@ -217,9 +217,9 @@ def plan(src: str | Path, *, preset: str | Path | None = None, experts: int | No
          serve: str | None = None):
     """Parameters, active parameters and FFN FLOPs per token of the MoE a preset (or explicit counts) makes of
     `src`: a folder, a config.json, or a Hub id (only its config.json is fetched); with a preset, for the serving
-    format `serve`, and the layout every format would get (.alternatives). Returns moeify.planning.MoePlan."""
-    from .families import read_source_config
-    from .planning import plan_moe, plan_preset
+    format `serve`, and the layout every format would get (.alternatives). Returns moeify.evaluation.planning.MoePlan."""
+    from .formats.families import read_source_config
+    from .evaluation.planning import plan_moe, plan_preset
 
     source = read_source_config(resolve(src, config_only=True))
     if preset is None and all(v is None for v in (experts, top_k, shared)):
@@ -236,9 +236,9 @@ def plan(src: str | Path, *, preset: str | Path | None = None, experts: int | No
 
 def serve_layouts(src: str | Path, *, preset: str | Path | None = None, **counts) -> list[dict]:
     """The layout the preset (default: the recommended one, when no count is given) gets for each serving format."""
-    from .config import load_preset
-    from .families import read_source_config
-    from .planning import serve_alternatives
+    from .formats.config import load_preset
+    from .formats.families import read_source_config
+    from .evaluation.planning import serve_alternatives
 
     given = {k: counts.get(k) for k in LAYOUT_FLAGS if counts.get(k) is not None}
     if preset is None and not given:
@@ -251,12 +251,12 @@ def serve_layouts(src: str | Path, *, preset: str | Path | None = None, **counts
 
 def prepare_upcycle(src: str | Path, *, allow_pickle: bool = False, force: bool = False, max_shard_size=None,
                     weights: bool = True, **settings):
-    """The upcycle's plan (moeify.upcycling.UpcyclePlan: layout, parameters, engine notes) before anything is written
+    """The upcycle's plan (moeify.upcycling.upcycle.UpcyclePlan: layout, parameters, engine notes) before anything is written
     (`moeify upcycle --dry-run` prints it). settings: UpcycleSettings' fields (copies, granularity, top_k,
     shared_width, format, symmetry, drop_share, noise_scale, router_std, aux_loss_coef, dtype, seed, targets).
     weights=False: from config.json alone (a Hub id fetches nothing else), a plan to print, not to run."""
-    from .config import parse_size
-    from .upcycling import UpcycleSettings, plan_upcycle
+    from .formats.config import parse_size
+    from .upcycling.upcycle import UpcycleSettings, plan_upcycle
 
     known = {f.name for f in dataclasses.fields(UpcycleSettings)}
     unknown = sorted(set(settings) - known)
@@ -279,9 +279,9 @@ def run_upcycle_plan(plan, out: str | Path, *, overwrite: bool = False, progress
     """Write the upcycle a prepared plan describes, checked against the source; returns report.json. The KL of the
     model as written is measured on check_text (default: the bundled sample; a source without a tokenizer: random
     tokens, unless check_text is given, which then fails before anything is written)."""
-    from .calibrate import read_texts
-    from .config import BUNDLED_CALIB
-    from .upcycling import check_windows, run_upcycle
+    from .formats.text import read_texts
+    from .formats.config import BUNDLED_CALIB
+    from .upcycling.upcycle import check_windows, run_upcycle
 
     ids = None
     if check_text or any((plan.src.path / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
@@ -313,15 +313,15 @@ def merge(sources: Sequence[str | Path] | None, out: str | Path, *, config: str 
     """One MoE from several fine-tunes of one base (folders or Hub ids, same shapes and tokenizer): each source's FFN
     one expert (or `granularity` slices), top_k of them a token (default: 2 sources' worth); attention, norms and
     embeddings the base's (default: the first source) or the sources' average (attention="average").
-    config: a mergekit-moe YAML (moeify.merge_config) naming the base, the sources, their prompts and the rest;
+    config: a mergekit-moe YAML (moeify.merging.spec) naming the base, the sources, their prompts and the rest;
     arguments given here override it (sources then None). Its shared expert (shared_experts, Qwen2-MoE) is its
     source's whole FFN beside the routed ones, each half of the layer's output at its resting gate (so a merge of
     the base's FFN everywhere computes the base), gated by its prompts' row when it has prompts. gate_mode: how the
-    router rows are made (moeify.merge_config.GATE_MODES; default: the config's, router_input with router_text, else
+    router rows are made (moeify.merging.spec.GATE_MODES; default: the config's, router_input with router_text, else
     random).
     router_text: one text file per source, in order (gate mode router_input). settings: format, dtype, seed,
     symmetry (default none), targets, max_shard_size, router_std. Returns report.json."""
-    from .merging import prepare_merge
+    from .merging.merge import prepare_merge
 
     plan = prepare_merge(sources, out, config=config, base=base, granularity=granularity, top_k=top_k,
                          attention=attention, gate_mode=gate_mode, router_text=router_text,

@@ -5,7 +5,7 @@
 
 Two subprocesses, one after the other, each on the same calibration tokens (the checkpoint's tokenizer on
 WikiText-2 train text):
-  forward  the dense model layer by layer exactly as calibration runs it (moeify.calibrate.LayerwiseModel: load
+  forward  the dense model layer by layer exactly as calibration runs it (moeify.carving.calibrate.LayerwiseModel: load
            one decoder layer, attention over all hidden states, dense FFN, next layer), nothing written
   convert  `moeify convert --calib ... --method activation --router fitted --no-compensate`, the whole
            conversion including writing the output (what the scale issue names)
@@ -55,9 +55,10 @@ def _timer(store: dict, key: str, fn, sync):
 def phase_forward(a) -> dict:
     import torch
 
-    from moeify.calibrate import LayerwiseModel, calibration_tokens, resolve_device
-    from moeify.checkpoint import CheckpointReader
-    from moeify.families import load_source
+    from moeify.carving.calibrate import LayerwiseModel, resolve_device
+    from moeify.formats.text import calibration_tokens
+    from moeify.formats.checkpoint import CheckpointReader
+    from moeify.formats.families import load_source
 
     t0 = time.perf_counter()
     src = load_source(a.src)
@@ -81,10 +82,10 @@ def phase_forward(a) -> dict:
 def phase_convert(a) -> dict:
     import torch
 
-    import moeify.calibrate as cal
-    import moeify.carve as carve
-    from moeify.config import build_config
-    from moeify.conversion import plan_conversion, run_conversion
+    import moeify.carving.calibrate as cal
+    import moeify.carving.carve as carve
+    from moeify.formats.config import build_config
+    from moeify.carving.conversion import plan_conversion, run_conversion
 
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
     stages: dict[str, float] = defaultdict(float)
@@ -188,7 +189,7 @@ def main(argv=None) -> None:
     cfg = json.loads((a.src / "config.json").read_text())
     label = a.label or a.src.name
     if a.preset:  # the header names the preset's experts, not the --experts/--top-k defaults
-        from moeify.config import load_preset
+        from moeify.formats.config import load_preset
 
         a.experts, a.top_k = (load_preset(a.preset).get(k, v) for k, v in (("experts", a.experts), ("top_k", a.top_k)))
     fwd = run_phase("forward", a)

@@ -125,9 +125,9 @@ def time_clustering(src: Path, experts: list[int], layers: int, device: str) -> 
     """Mean seconds per layer of the gate-cluster partition + representative router (what convert runs)."""
     import torch
 
-    from moeify.checkpoint import CheckpointReader
-    from moeify.config import ConvertConfig
-    from moeify.carve import carve_weight_only
+    from moeify.formats.checkpoint import CheckpointReader
+    from moeify.formats.config import ConvertConfig
+    from moeify.carving.carve import carve_weight_only
 
     reader = CheckpointReader(src)
     out = {}
@@ -220,7 +220,7 @@ def main(argv=None) -> None:
     out = work / "moe"
     remove(out)
     drop_cache(files)
-    cmd = [sys.executable, "-m", "moeify.cli", "convert", str(src), str(out), "--experts", str(a.experts),
+    cmd = [sys.executable, "-m", "moeify.cli.app", "convert", str(src), str(out), "--experts", str(a.experts),
            "--top-k", "2", "--method", "gate-cluster", "--router", "representative", "--device", a.device]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     t_conv, rss, samples = run_child(cmd, work / "convert.log", env)

@@ -33,8 +33,8 @@ TEXTS = [CORPORA / "wikitext2" / "valid.txt", CORPORA / "tinyshakespeare" / "val
 def count_ties(model) -> dict:
     """Hooks every MoE router of a loaded output: the share of token-layers whose top-k experts by float32 softmax
     probability (transformers) differ from their top-k by logit (vLLM's CPU router, moeify's tuning), i.e. ties
-    in the probabilities (moeify.router.routing_ties). Returns the running counts; call stats["remove"]() after."""
-    from moeify.router import routing_ties
+    in the probabilities (moeify.maths.router.routing_ties). Returns the running counts; call stats["remove"]() after."""
+    from moeify.maths.router import routing_ties
 
     k, stats = model.config.num_experts_per_tok, {"tied": 0.0, "n": 0}
 

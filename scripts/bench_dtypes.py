@@ -36,7 +36,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @torch.no_grad()
 def routing_choices(model, ids: torch.Tensor, seq_len: int, batch: int = 8) -> list[torch.Tensor]:
     """Per MoE layer, the (tokens, k) expert indices the router chose on the windows perplexity scores."""
-    from moeify.evaluation import find_moe_layers
+    from moeify.evaluation.perplexity import find_moe_layers
 
     layers = find_moe_layers(model)
     seen: list[list[torch.Tensor]] = [[] for _ in layers]
@@ -68,7 +68,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
-    from moeify.evaluation import same_topk_sets
+    from moeify.evaluation.perplexity import same_topk_sets
 
     dtypes = args.dtypes.split(",")
     names = [p.parent.name if p.name.endswith(".txt") else p.name for p in args.eval]

@@ -33,7 +33,7 @@ from gpu_steps import SMOL, Bench, arguments, moeify, script
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}  # dense, no sparsity
 
 # the tuning step's variants timed side by side: the MoE block's kernel, and the forwards through torch.compile;
-# the first is what a run on a GPU takes (moeify.distill: grouped, compiled)
+# the first is what a run on a GPU takes (moeify.training.distill: grouped, compiled)
 KERNEL_VARIANTS = (("grouped", True), ("grouped", False), ("masked", False))
 
 
@@ -105,13 +105,13 @@ def dense_step_speed(path: Path, device: str, step_tokens: int, seq: int, micro:
 
 
 def sampling_speed(path: Path, device: str, batch: int, seq: int, keep_hidden: bool) -> dict:
-    """Generated tokens/s of the dense model's own text as a tuning run samples it (moeify.sampling.sample_text:
+    """Generated tokens/s of the dense model's own text as a tuning run samples it (moeify.training.sampling.sample_text:
     windows of `seq` from 16-token prompts, a static KV cache, bf16 autocast on a GPU), one batch after a warm-up
     batch (on a GPU generate() compiles the forward with CUDA graphs where no hidden states are kept). keep_hidden:
     the teacher-pass path (the final hidden states kept, compilation off), else the teacher-in-the-loop one."""
     from transformers import AutoModelForCausalLM
 
-    from moeify.sampling import sample_text
+    from moeify.training.sampling import sample_text
 
     cuda = device.startswith("cuda")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()

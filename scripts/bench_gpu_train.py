@@ -1,6 +1,6 @@
 """Next-token training of an upcycle at the Llama-3-8B E8 top-2 shape on a GPU, in one command inside a time budget:
 a few steps of `moeify tune OUT --tune-text` plain and with `--offload` (FSDP2 CPU offload), each run's peak memory
-per process against moeify.memory.train_memory's prediction and its tokens/s per process, in one JSON.
+per process against moeify.maths.memory.train_memory's prediction and its tokens/s per process, in one JSON.
 
     python3 scripts/bench_gpu_train.py --offline --tokenizer .gpu/tok --layers 2 --budget-s 500 \
         --json results/train_processes/h200-8b-e8.json

@@ -19,13 +19,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moeify.calibrate import LayerwiseModel, calibration_tokens  # noqa: E402
-from moeify.checkpoint import CheckpointReader  # noqa: E402
-from moeify.compensate import routed_output  # noqa: E402
-from moeify.families import load_source  # noqa: E402
-from moeify.numerics import ffn_activations, neuron_stats  # noqa: E402
-from moeify.partition import partition_from_stats  # noqa: E402
-from moeify.router import expert_output_norms, fit_router  # noqa: E402
+from moeify.carving.calibrate import LayerwiseModel  # noqa: E402
+from moeify.formats.text import calibration_tokens  # noqa: E402
+from moeify.formats.checkpoint import CheckpointReader  # noqa: E402
+from moeify.carving.compensate import routed_output  # noqa: E402
+from moeify.formats.families import load_source  # noqa: E402
+from moeify.maths.numerics import ffn_activations, neuron_stats  # noqa: E402
+from moeify.maths.partition import partition_from_stats  # noqa: E402
+from moeify.maths.router import expert_output_norms, fit_router  # noqa: E402
 
 CORPUS = ROOT.parent / "shared" / "corpora" / "wikitext2" / "calib_train_200k.txt"
 

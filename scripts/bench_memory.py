@@ -1,4 +1,4 @@
-"""The tuning memory model (moeify.memory) against the measured peak of a real `moeify tune --dry-run`, with the
+"""The tuning memory model (moeify.maths.memory) against the measured peak of a real `moeify tune --dry-run`, with the
 peak resident memory split into anonymous memory (tensors, the allocator's heap) and file-backed pages (the
 memory-mapped safetensors the teacher's weights are read from, shared libraries). A benchmark, not CI.
 
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     print(f"{'measured peak':28} {r['peak_bytes'] / g:8.2f}   ({r['peak_what']})")
     print(f"{'  anonymous at the peak':28} {s.at_peak['RssAnon'] / g:8.2f}")
     print(f"{'  file-backed at the peak':28} {s.at_peak['RssFile'] / g:8.2f}")
-    print(f"{'predicted (moeify.memory)':28} {pred / g:8.2f}   ({pred / r['peak_bytes']:.2f} of measured)")
+    print(f"{'predicted (moeify.maths.memory)':28} {pred / g:8.2f}   ({pred / r['peak_bytes']:.2f} of measured)")
     print(f"{'  of it the teacher':28} {r['predicted']['teacher'] / g:8.2f}")
     print(f"step {r['step_seconds']:.2f} s ({a.threads} thread(s)); MALLOC_MMAP_THRESHOLD_="
           f"{res['malloc_mmap_threshold'] or 'unset (glibc dynamic)'}")

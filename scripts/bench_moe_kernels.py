@@ -1,4 +1,4 @@
-"""The student's MoE block, forward + backward, with each kernel (moeify/moe_block.py): the masked dense products
+"""The student's MoE block, forward + backward, with each kernel (moeify/maths/moe_block.py): the masked dense products
 (every neuron, the unchosen ones times 0) against the grouped ones (torch._grouped_mm over the chosen experts only),
 at the presets' layouts, bf16 autocast, side by side in one process (rounds alternate; the best of --rounds).
 

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moeify.config import build_config  # noqa: E402
-from moeify.conversion import plan_conversion, run_conversion  # noqa: E402
+from moeify.formats.config import build_config  # noqa: E402
+from moeify.carving.conversion import plan_conversion, run_conversion  # noqa: E402
 
 CORPORA = ROOT.parent / "shared" / "corpora" / "wikitext2"
 CONFIGS = ("e8k2", "e8k4", "s1e7k1", "s2e16k2")  # the tiny model's table; any [sS]eEkK (or a preset path) works
@@ -38,7 +38,7 @@ def parse_config(name: str) -> dict:
     """'s2e16k2' -> 2 shared + 16 routed, top-2: share of FFN neurons active = (k + s) / (e + s).
     A path to a TOML preset (configs/active-50.toml) runs that preset's whole pipeline."""
     if name.endswith(".toml"):
-        from moeify.config import load_preset
+        from moeify.formats.config import load_preset
 
         return {"preset": name, **{k: v for k, v in load_preset(name).items() if k in ("experts", "top_k", "shared")}}
     m = re.fullmatch(r"(?:s(\d+))?e(\d+)k(\d+)", name)
@@ -176,10 +176,10 @@ def row_settings(row: str) -> dict:
 
 def parse_sweep(items: list[str]) -> list[dict]:
     """['lr=0.0015', 'lr=0.006,batch_tokens=512'] -> [{'lr': 0.0015}, {'lr': 0.006, 'batch_tokens': 512}]: overrides
-    of moeify.distill.DistillSettings, each one tuning run from the same carved model and tuning text."""
+    of moeify.training.distill.DistillSettings, each one tuning run from the same carved model and tuning text."""
     from dataclasses import fields
 
-    from moeify.distill import DistillSettings
+    from moeify.training.distill import DistillSettings
 
     types = {f.name: type(getattr(DistillSettings(tokens=0), f.name)) for f in fields(DistillSettings)}
     out = []
@@ -201,7 +201,7 @@ def install_sweep(sweep: list[dict], evals: dict, seq_len: int, results: list) -
     the conversion writes. The calibration and the sampling of tuning text happen once."""
     import dataclasses
 
-    import moeify.distill as distill_mod
+    import moeify.training.distill as distill_mod
 
     original = distill_mod.distill
 
@@ -244,7 +244,7 @@ def run_row(model_dir: Path, row: str, config: str, calib: Path, calib_tokens: i
     out = work / re.sub(r"[^A-Za-z0-9.+-]", "_", f"{config}-{row}")
     curve = []
     if curve_at:  # score the student (which computes what the exported MoE computes) along the tuning run
-        from moeify.distill import set_step_hook
+        from moeify.training.distill import set_step_hook
 
         def hook(student, step, tokens):
             if any(tokens - 1024 < m <= tokens for m in curve_at) or (tokens == 0 and 0 in curve_at):
@@ -301,7 +301,7 @@ def main() -> None:
     ap.add_argument("--curve", default="", help="comma-separated token counts (e.g. 16384,65536,262144) at which to "
                     "score the eval texts along each row's tuning run: the tokens -> quality curve")
     ap.add_argument("--sweep", nargs="+", default=[], metavar="KEY=V[,KEY=V]", help="tuning settings to compare "
-                    "(moeify.distill.DistillSettings fields, e.g. lr=0.0015 lr=0.006 batch_tokens=512): each row's "
+                    "(moeify.training.distill.DistillSettings fields, e.g. lr=0.0015 lr=0.006 batch_tokens=512): each row's "
                     "tuning runs once per item from the same carved model and tuning text, each scored; the last "
                     "item's weights are written")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")

@@ -1,6 +1,6 @@
 """How a sampling step's cost grows with the KV cache: the dense model continues a batch of prompts with a clock on
-generate() (moeify.sampling.sample_text(step_times=)), and the fit `tune --dry-run` uses
-(moeify.sampling.sampling_seconds_per_token) is printed beside the measured steps. A benchmark, not CI.
+generate() (moeify.training.sampling.sample_text(step_times=)), and the fit `tune --dry-run` uses
+(moeify.training.sampling.sampling_seconds_per_token) is printed beside the measured steps. A benchmark, not CI.
 
     .venv/bin/python scripts/bench_sampling.py models/smollm2-135m --threads 2 --prompt 16 --new 96
     .venv/bin/python scripts/bench_sampling.py models/smollm2-135m --threads 2 --prompt 440 --new 24   # late steps
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     from transformers import AutoModelForCausalLM
 
-    from moeify.sampling import sample_text, sampling_seconds_per_token
+    from moeify.training.sampling import sample_text, sampling_seconds_per_token
 
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval().to(a.device)
     prompts = torch.randint(100, model.config.vocab_size, (a.batch, a.prompt), generator=torch.Generator().manual_seed(0))

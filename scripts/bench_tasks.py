@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moeify.tasks import BUNDLED  # noqa: E402
+from moeify.evaluation.tasks import BUNDLED  # noqa: E402
 
 
 def summary(result, names: list[str], limit: int | None, seconds: float) -> dict:
@@ -66,7 +66,7 @@ def summary(result, names: list[str], limit: int | None, seconds: float) -> dict
 
 
 def retention_summary(r: dict, names: list[str]) -> dict:
-    """Each MoE's retention of the dense model's accuracy (moeify.tasks.retention), by model name."""
+    """Each MoE's retention of the dense model's accuracy (moeify.evaluation.tasks.retention), by model name."""
     return {"informative_ses": r["informative_ses"], "tasks": r["tasks"], "informative": r["informative"],
             "models": {name: {k: v for k, v in m.items() if k != "path"} for name, m in zip(names[1:], r["models"])}}
 

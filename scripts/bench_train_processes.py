@@ -1,5 +1,5 @@
 """Next-token training of an upcycle in one process and across processes (torchrun, gloo on the CPU): the peak
-memory of a process (the largest peak RSS of any rank) against moeify.memory.train_memory's prediction, and tokens
+memory of a process (the largest peak RSS of any rank) against moeify.maths.memory.train_memory's prediction, and tokens
 a second per process against one process. A benchmark, not CI.
 
     .venv/bin/python scripts/bench_train_processes.py /tmp/btp --json results/train_processes/cpu.json
@@ -34,7 +34,7 @@ def build(work: Path, args) -> Path:
                     "--layers", str(args.layers), "--heads", "8", "--kv-heads", "2", "--vocab", "4096",
                     "--dtype", "float32", "--tokenizer", str(ROOT / "examples" / "tiny-llama"), "--overwrite"],
                    check=True)
-    from moeify.upcycling import UpcycleSettings, plan_upcycle, run_upcycle
+    from moeify.upcycling.upcycle import UpcycleSettings, plan_upcycle, run_upcycle
 
     run_upcycle(plan_upcycle(work / "dense", UpcycleSettings(copies=4, top_k=2, symmetry="noise",
                                                              dtype="float32")), moe)

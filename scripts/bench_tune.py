@@ -5,16 +5,16 @@
 Measured side by side in one process, round-robin over the rows (the machine is noisy; ratios are what transfer;
 medians of --repeats rounds after an untimed one): a dense
 forward + backward with the usual next-token cross-entropy (what pretraining or a LoRA step costs), one tuning step
-of moeify.distill (teacher forward, student forward + backward, chunked KL, Adam) on a carved student (the layout of
+of moeify.training.distill (teacher forward, student forward + backward, chunked KL, Adam) on a carved student (the layout of
 --experts/--top-k; the partition is random: the cost does not depend on it), the same step on sampled text whose
 teacher targets the sampling kept (no teacher forward), the mix of the two at --generated, the teacher pass (one
 teacher forward of a real window, computed once before tuning, so the loop runs only "targets kept" steps) and the
 loop plus the teacher pass at --generated (how `moeify tune` runs since the teacher pass), and sampling 1,024 tokens of tuning
-text from the dense model (moeify.sampling.sample_text, batch 64, 112 new tokens after 16: shorter contexts than
+text from the dense model (moeify.training.sampling.sample_text, batch 64, 112 new tokens after 16: shorter contexts than
 the 512 of real tuning windows, so a lower bound). Wall and CPU seconds for each. The teacher's modules are frozen
 as moeify freezes them, so the student's steps compute no weight gradients for the head, embeddings or attention
 it shares with the teacher (until 2026-11-26 this bench left them trainable and overstated the step by ~18%).
-"targets kept, KL unfused": the same step with the KL's softmax part eager instead of compiled (moeify.kl.kl_and_diff);
+"targets kept, KL unfused": the same step with the KL's softmax part eager instead of compiled (moeify.training.kl.kl_and_diff);
 "float32 logits" (under bf16 autocast): the KL's two logit products in float32 (DistillSettings.kl_logits
 "float32"; the default runs them in bf16 where autocast is on).
 --quick: the rows of how `moeify tune` runs (dense, the loop's step fused and unfused, the teacher pass).
@@ -34,11 +34,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moeify import distill  # noqa: E402
-from moeify.distill import DistillSettings, accumulate_kl, final_hidden, share_frozen  # noqa: E402
-from moeify.moe_block import MaskedMoE  # noqa: E402
-from moeify.numerics import tuning_autocast  # noqa: E402
-from moeify.sampling import sample_text  # noqa: E402
+from moeify.training import distill  # noqa: E402
+from moeify.training.distill import DistillSettings, accumulate_kl, final_hidden, share_frozen  # noqa: E402
+from moeify.maths.moe_block import MaskedMoE  # noqa: E402
+from moeify.maths.numerics import tuning_autocast  # noqa: E402
+from moeify.training.sampling import sample_text  # noqa: E402
 
 
 def main() -> None:
@@ -94,7 +94,7 @@ def main() -> None:
 
     settings = DistillSettings(tokens=0, micro_windows=args.micro_windows)
 
-    def tune_step():  # what moeify.distill does per step
+    def tune_step():  # what moeify.training.distill does per step
         opt.zero_grad(set_to_none=True)
         accumulate_kl(teacher, student, ids, student.lm_head.weight, ctx, settings)
         opt.step()

@@ -26,7 +26,7 @@ def reference() -> str:
     import click
     import typer
 
-    from moeify.cli import app
+    from moeify.cli.app import app
 
     group = typer.main.get_command(app)
     root = click.Context(group, info_name="moeify", terminal_width=WIDTH, max_content_width=WIDTH)

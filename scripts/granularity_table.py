@@ -101,8 +101,8 @@ PACKAGED = ROOT / "moeify" / "data" / "granularity.json"
 def resolved(d_ff: int, preset: int) -> dict[str | None, tuple[int, int, int]]:
     """--serve format (None: none given, the preset's own layout) -> (routed, shared, top_k) the preset resolves to at
     this d_ff (moeify's own resolution)."""
-    from moeify.config import load_preset, resolve_preset
-    from moeify.layout import SERVE_QUANTA
+    from moeify.formats.config import load_preset, resolve_preset
+    from moeify.formats.layout import SERVE_QUANTA
 
     out = {}
     for fmt in (None, *SERVE_QUANTA):

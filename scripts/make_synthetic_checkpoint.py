@@ -6,8 +6,8 @@
     python scripts/make_synthetic_checkpoint.py /tmp/x --hidden 1024 --intermediate 4096 --layers 4 --heads 8 \
         --kv-heads 2 --vocab 32000 --tokenizer path/with/tokenizer.json
 
-The shards are planned up front (moeify.checkpoint.ShardLayout) and every tensor is generated, written and
-dropped before the next one (moeify.checkpoint.ShardWriter), so memory stays at about one tensor whatever
+The shards are planned up front (moeify.formats.checkpoint.ShardLayout) and every tensor is generated, written and
+dropped before the next one (moeify.formats.checkpoint.ShardWriter), so memory stays at about one tensor whatever
 the model size. Writes config.json (a real llama/mistral config), model.safetensors.index.json (when more
 than one shard) and generation_config.json; no tokenizer unless --tokenizer names a directory to copy one
 from (the weight-only `moeify convert` needs none; calibration does).
@@ -31,9 +31,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moeify.checkpoint import DTYPE_NAMES, TensorInfo  # noqa: E402
-from moeify.writer import ShardLayout, ShardWriter
-from moeify.config import parse_size  # noqa: E402
+from moeify.formats.checkpoint import DTYPE_NAMES, TensorInfo  # noqa: E402
+from moeify.formats.writer import ShardLayout, ShardWriter
+from moeify.formats.config import parse_size  # noqa: E402
 
 # name: (hidden, intermediate, layers, heads, kv_heads, vocab, tied, rope_theta, max_positions)
 SHAPES = {

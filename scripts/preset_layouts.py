@@ -71,9 +71,9 @@ SHAPES = [
 
 
 def plan_rows() -> list[dict]:
-    """One entry per (shape, preset): moeify.planning.plan_preset on the published config."""
-    from moeify.families import read_source_config
-    from moeify.planning import plan_preset, serving_fit
+    """One entry per (shape, preset): moeify.evaluation.planning.plan_preset on the published config."""
+    from moeify.formats.families import read_source_config
+    from moeify.evaluation.planning import plan_preset, serving_fit
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="moeify-layouts-") as tmp:
@@ -104,7 +104,7 @@ def _fits(tp: int, per_gpu: bool) -> str:
 
 def markdown(rows: list[dict]) -> str:
     """Rows of one d_ff and preset are merged (the layout depends only on d_ff)."""
-    from moeify.planning import SERVING_RULES
+    from moeify.evaluation.planning import SERVING_RULES
 
     groups: dict[tuple, list[dict]] = {}
     for r in rows:

@@ -100,7 +100,7 @@ def profile_step(src: Path, out: Path, tokens: int, device: str, warm: int = 2) 
     """(the dry run's estimate, the breakdown of its step `warm` + 1) for `moeify tune SRC OUT --tokens N`."""
     from torch.profiler import ProfilerActivity, profile
 
-    from moeify.distill import set_step_hook
+    from moeify.training.distill import set_step_hook
     from moeify.tuning import TuneOptions, estimate_run
 
     cuda = device.startswith("cuda")

@@ -2,7 +2,7 @@
 torchrun as `torchrun --nproc-per-node 2 tests/held_back.py tune SRC OUT ...`.
 
 MOEIFY_TEST_HOLD lists what to do, entries separated by ';', each RANK|PHASE|WHAT[|before]:
-- PHASE: a phase the ranks meet at (moeify.parallel.Parallel.arrive: 'the tuning text', 'the teacher pass',
+- PHASE: a phase the ranks meet at (moeify.training.parallel.Parallel.arrive: 'the tuning text', 'the teacher pass',
   'the tuning loop', 'the training loop', 'saving a snapshot', 'writing the output', ...), or 'step N' (the N-th
   training step, counted from 1 in this process: a carve's tuning step or an upcycle's training step);
 - WHAT: seconds to sleep there, 'forever', or 'kill' (SIGKILL of this rank);
@@ -38,9 +38,9 @@ def _hold(what: str) -> None:
 
 
 def main() -> None:
-    import moeify.distill as distill
-    from moeify import parallel
-    from moeify.cli import main as cli_main
+    import moeify.training.distill as distill
+    from moeify.training import parallel
+    from moeify.cli.app import main as cli_main
 
     rank = os.environ.get("RANK", "0")
     if os.environ.get("MOEIFY_TEST_PIDS"):  # a folder: each rank's pid in a file named by its rank

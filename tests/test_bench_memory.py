@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 from conftest import build_dense
-from moeify.config import build_config
-from moeify.conversion import plan_conversion, run_conversion
+from moeify.formats.config import build_config
+from moeify.carving.conversion import plan_conversion, run_conversion
 from test_calibrate import CALIB
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from conftest import build_dense, load
-from moeify.calibrate import LayerwiseModel, ffn_activations, neuron_stats
-from moeify.checkpoint import CheckpointReader
-from moeify.families import load_source
+from moeify.carving.calibrate import LayerwiseModel, ffn_activations, neuron_stats
+from moeify.formats.checkpoint import CheckpointReader
+from moeify.formats.families import load_source
 
 
 @pytest.mark.parametrize("kw", [dict(head_dim=24, rope_parameters={"rope_type": "llama3", "rope_theta": 5e4, "factor": 8.0,
@@ -60,13 +60,13 @@ def test_ffn_activations_match_llama_mlp():
 # ------------------------------------------------------------------------------ calibrated carving maths
 
 from conftest import CORPUS, max_logit_diff  # noqa: E402
-from moeify.calibrate import NeuronStats  # noqa: E402
-from moeify.compensate import refit_down, routing_mask  # noqa: E402
-from moeify.config import build_config  # noqa: E402
-from moeify.conversion import plan_conversion, run_conversion  # noqa: E402
+from moeify.carving.calibrate import NeuronStats  # noqa: E402
+from moeify.carving.compensate import refit_down, routing_mask  # noqa: E402
+from moeify.formats.config import build_config  # noqa: E402
+from moeify.carving.conversion import plan_conversion, run_conversion  # noqa: E402
 from moeify.errors import MoeifyError  # noqa: E402
-from moeify.partition import Partition, partition_from_stats  # noqa: E402
-from moeify.router import fit_router, topk_agreement  # noqa: E402
+from moeify.maths.partition import Partition, partition_from_stats  # noqa: E402
+from moeify.maths.router import fit_router, topk_agreement  # noqa: E402
 
 
 def test_partition_from_stats_shared_are_most_active_and_groups_coactive():
@@ -175,7 +175,7 @@ def test_calibrated_all_experts_active_is_exact(tmp_path, calib_model):
 def test_calibrated_padded_all_experts_active_is_exact_at_default_tolerance(tmp_path, calib_model):
     """Calibrated carving (refit down_proj, fitted router) with experts zero-padded to 128 and default flags:
     k = N reproduces the dense logits (zero router) and verify accepts the padding."""
-    from moeify.verify import verify_checkpoint
+    from moeify.evaluation.verify import verify_checkpoint
 
     cfg = build_config(experts=4, top_k=4, shared=0, pad_experts_to=128, **CALIB)
     report = run_conversion(plan_conversion(calib_model, cfg), tmp_path / "moe")
@@ -249,8 +249,8 @@ def test_default_calib_tokens_use_all_the_text_and_say_so(tmp_path, calib_model)
 
     from typer.testing import CliRunner
 
-    from moeify.cli import app
-    from moeify.config import build_config, load_preset
+    from moeify.cli.app import app
+    from moeify.formats.config import build_config, load_preset
 
     text = tmp_path / "calib.txt"
     text.write_text(CORPUS.read_text()[:6000])
@@ -274,13 +274,13 @@ def test_default_calib_tokens_use_all_the_text_and_say_so(tmp_path, calib_model)
 
 def test_default_calib_tokens_are_capped(tmp_path, calib_model, monkeypatch):
     """The default takes at most CALIB_TOKENS_CAP tokens (65,536; lowered here); an explicit count is honoured."""
-    import moeify.calibrate as calibrate
-    import moeify.config
+    import moeify.formats.text as text
+    import moeify.formats.config
 
-    monkeypatch.setattr(moeify.config, "CALIB_TOKENS_CAP", 1000)
-    windows, n_text = calibrate.calibration_tokens(calib_model, [CORPUS], 0, 64)
+    monkeypatch.setattr(moeify.formats.config, "CALIB_TOKENS_CAP", 1000)
+    windows, n_text = text.calibration_tokens(calib_model, [CORPUS], 0, 64)
     assert windows.shape == (15, 64) and n_text > 1000
-    windows, _ = calibrate.calibration_tokens(calib_model, [CORPUS], 2048, 64)
+    windows, _ = text.calibration_tokens(calib_model, [CORPUS], 2048, 64)
     assert windows.shape == (32, 64)
 
 
@@ -292,8 +292,8 @@ def test_no_too_long_sequence_warning_when_tokenizing_long_text(tmp_path, calib_
 
     from transformers import AutoTokenizer
 
-    from moeify.calibrate import calibration_tokens
-    from moeify.text import load_tokenizer, tokenize
+    from moeify.formats.text import calibration_tokens
+    from moeify.formats.text import load_tokenizer, tokenize
 
     cfg_file = calib_model / "tokenizer_config.json"
     cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), "model_max_length": 128}))
@@ -320,8 +320,8 @@ def test_cli_calibrates_on_the_bundled_sample_by_default(tmp_path, calib_model):
     --weight-only opts out; the two cannot be combined."""
     from typer.testing import CliRunner
 
-    from moeify.cli import app
-    from moeify.config import BUNDLED_CALIB
+    from moeify.cli.app import app
+    from moeify.formats.config import BUNDLED_CALIB
 
     args = ["convert", str(calib_model), str(tmp_path / "moe"), "-n", "4", "-k", "2", "--calib-tokens", "1024",
             "--calib-seq-len", "64"]
@@ -345,7 +345,7 @@ def test_calibration_without_tokenizer_files_names_them_and_offers_weight_only(t
     that says what is missing and offers --weight-only; --weight-only then converts."""
     from typer.testing import CliRunner
 
-    from moeify.cli import app
+    from moeify.cli.app import app
 
     src = build_dense(tmp_path / "bare", None)  # no tokenizer files
     res = CliRunner().invoke(app, ["convert", str(src), str(tmp_path / "o"), "--experts", "4", "--top-k", "2"])

@@ -1,4 +1,4 @@
-"""moeify.config: how flags and presets become a ConvertConfig."""
+"""moeify.formats.config: how flags and presets become a ConvertConfig."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from moeify.config import build_config
+from moeify.formats.config import build_config
 from moeify.errors import MoeifyError
 
 
@@ -52,7 +52,7 @@ def test_weight_only_refuses_a_flag_that_needs_text():
 def test_convert_with_a_preset_and_weight_only_says_what_it_replaced(tmp_path):
     from typer.testing import CliRunner
 
-    from moeify.cli import app
+    from moeify.cli.app import app
 
     res = CliRunner().invoke(app, ["convert", str(REPO / "examples" / "tiny-llama"), str(tmp_path / "out"),
                                    "--preset", str(REPO / "configs" / "active-25.toml"), "--weight-only"])
@@ -69,7 +69,7 @@ def test_the_recipe_names_files_portably_and_still_works_as_a_preset(tmp_path, m
     from conftest import build_dense, corpus_text
 
     from moeify.api import convert
-    from moeify.config import BUNDLED_CALIB, load_preset
+    from moeify.formats.config import BUNDLED_CALIB, load_preset
 
     (tmp_path / "texts").mkdir()
     (tmp_path / "texts" / "mine.txt").write_text(corpus_text(4000))

@@ -10,11 +10,11 @@ import torch
 from safetensors import safe_open
 
 from conftest import build_dense, load, max_logit_diff, read_json
-from moeify.checkpoint import CheckpointReader
-from moeify.config import build_config
-from moeify.conversion import plan_conversion, run_conversion
-from moeify.experts import unpermute_ffn
-from moeify.partition import Partition
+from moeify.formats.checkpoint import CheckpointReader
+from moeify.formats.config import build_config
+from moeify.carving.conversion import plan_conversion, run_conversion
+from moeify.formats.experts import unpermute_ffn
+from moeify.maths.partition import Partition
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
@@ -184,7 +184,7 @@ def test_unaligned_expert_width_is_padded_exactly(tmp_path):
 def test_all_experts_active_with_default_flags_is_exact(tmp_path, target):
     """top_k == experts: the router order does not matter, so moeify writes a zero router (every gate exactly 1/N)
     and the default --gate-tolerance (1e-3, which bounds the gates of sparse conversions) costs no exactness."""
-    from moeify.verify import verify_checkpoint
+    from moeify.evaluation.verify import verify_checkpoint
 
     src = build_dense(tmp_path / "dense")
     flags = dict(experts=4, top_k=4, **TARGETS[target])
@@ -212,7 +212,7 @@ def test_sparse_conversion_keeps_a_scaled_router(tmp_path):
 def test_pad_experts_to_128_is_exact_and_verifies(tmp_path, fmt, shared):
     """--pad-experts-to 128: 96 / 4 = 24 neurons per expert stored as 128 (zero gate/up rows, zero down columns);
     loads with no missing/unexpected keys, reproduces the dense logits at k = N, and `moeify verify` accepts it."""
-    from moeify.verify import verify_checkpoint
+    from moeify.evaluation.verify import verify_checkpoint
 
     src = build_dense(tmp_path / "dense")
     flags = dict(experts=3 if shared else 4, top_k=3 if shared else 4, shared=shared, format=fmt, pad_experts_to=128)
@@ -250,7 +250,7 @@ def test_qwen2_moe_output_means_the_same_to_llamacpp(tmp_path, monkeypatch):
     gave NaN, and with top_k < N every routed expert scaled by k/N, when it wrote norm_topk_prob true and a zero gate)."""
     from transformers.models.qwen2_moe import modeling_qwen2_moe
 
-    from moeify.router import SHARED_GATE_MIN
+    from moeify.maths.router import SHARED_GATE_MIN
 
     src = build_dense(tmp_path / "dense")
     report = convert(src, tmp_path / "moe", experts=4, top_k=2, shared=2, format="qwen2_moe", gate_tolerance=1e-3)

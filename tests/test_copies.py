@@ -1,4 +1,4 @@
-"""moeify.copies: the upcycling maths, pure tensors (as test_partition checks the carve's)."""
+"""moeify.upcycling.copies: the upcycling maths, pure tensors (as test_partition checks the carve's)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeify.copies import (UpcycleLayout, add_noise, copy_experts, copy_orders, drop_reinit, group_router,
+from moeify.upcycling.copies import (UpcycleLayout, add_noise, copy_experts, copy_orders, drop_reinit, group_router,
                            matrix_stats, routed_neurons, shared_expert, shared_neurons)
 from moeify.errors import MoeifyError
 
@@ -81,7 +81,7 @@ def test_drop_reinit_draws_the_share_from_the_source_statistics():
 
 
 def test_normal_draws_the_same_values_at_any_thread_count(monkeypatch):
-    import moeify.copies as copies
+    import moeify.upcycling.copies as copies
 
     monkeypatch.setattr(copies, "DRAW_CHUNK", 1000)  # 9 blocks of 111 rows (and a short last one)
     threads = torch.get_num_threads()

@@ -12,12 +12,12 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 from conftest import build_dense, corpus_text
-from moeify.cli import app
-from moeify.config import build_config
-from moeify.conversion import plan_conversion, run_conversion
+from moeify.cli.app import app
+from moeify.formats.config import build_config
+from moeify.carving.conversion import plan_conversion, run_conversion
 from moeify.errors import MoeifyError
-from moeify.evaluation import EvalSettings, evaluate, expert_output_norms, oracle_topk, routing_stats
-from moeify.text import SAMPLE, make_windows, read_text
+from moeify.evaluation.perplexity import EvalSettings, evaluate, expert_output_norms, oracle_topk, routing_stats
+from moeify.formats.text import SAMPLE, make_windows, read_text
 
 REL = 1e-4
 SEQ, MAX_TOKENS = 32, 400
@@ -325,7 +325,7 @@ def render(result, width: int = 80) -> list[str]:
 
     from rich.console import Console
 
-    from moeify.report import print_eval
+    from moeify.cli.report import print_eval
 
     buf = io.StringIO()
     print_eval(Console(file=buf, width=width, color_system=None), result)
@@ -354,7 +354,7 @@ def test_eval_table_rows_fit_80_columns(models, text_file):
 
 def test_routing_table_with_many_experts_fits_80_columns():
     """64 experts do not fit one bar character each next to the numbers: experts are grouped per character."""
-    from moeify.evaluation import EvalResult, LayerRouting, ModelResult
+    from moeify.evaluation.perplexity import EvalResult, LayerRouting, ModelResult
 
     load = [2 / 64 * (1 + 0.5 * (e % 2)) for e in range(64)]
     routing = [LayerRouting(i, 64, 2, 1000, load, [1 / 64] * 64, 2.0, 0.33, 0, 0.5) for i in range(3)]
@@ -394,7 +394,7 @@ def test_kl_to_the_reference_equals_a_direct_computation(models, text_file):
     dense, moe, again = result.models
     assert dense.kl is None and again.kl == pytest.approx(0.0, abs=1e-6) and moe.kl > 1e-4
     from conftest import load
-    from moeify.text import load_tokenizer, make_windows, read_text, tokenize
+    from moeify.formats.text import load_tokenizer, make_windows, read_text, tokenize
 
     ids = tokenize(load_tokenizer(dense_path), read_text(str(text_file))[0], MAX_TOKENS)
     a, b = load(dense_path)[0], load(moe_path)[0]

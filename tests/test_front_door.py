@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 import moeify
 from conftest import build_dense, lay_out_hub
-from moeify.cli import app
+from moeify.cli.app import app
 from moeify.errors import MoeifyError
 
 COMMIT, V1 = "a" * 40, "b" * 40
@@ -65,7 +65,7 @@ def one_error_line(result) -> str:
 
 
 def test_presets_by_name_by_path_and_an_unknown_name_lists_them(dense, tmp_path):
-    from moeify.config import preset_names, preset_path
+    from moeify.formats.config import preset_names, preset_path
 
     assert preset_names() == ["active-25", "active-50", "active-75"]
     assert preset_path("active-50").name == preset_path("configs/active-50.toml").name == "active-50.toml"
@@ -100,8 +100,8 @@ def test_no_layout_given_carves_the_recommended_preset_and_says_which(dense, tmp
 def test_a_hub_id_converts_from_the_cache_with_the_network_refused(hub, dense, tmp_path):
     res = cli("convert", "org/tiny", tmp_path / "out", "-n", "4", "-k", "2", "--weight-only")
     assert res.exit_code == 0, res.output
-    from moeify.conversion import plan_conversion, run_conversion
-    from moeify.config import build_config
+    from moeify.carving.conversion import plan_conversion, run_conversion
+    from moeify.formats.config import build_config
 
     run_conversion(plan_conversion(dense, build_config(experts=4, top_k=2, method="gate-cluster",
                                                        router="representative")), tmp_path / "local")
@@ -236,7 +236,7 @@ def test_the_card_follows_the_output_through_tuning_and_evaluation(dense, tmp_pa
 def test_the_resume_hint_names_a_hub_source_by_its_id_at_the_commit_tuned(hub, dense, tmp_path):
     """An interrupted tuning of a Hub source says how to continue it with the id (pinned to the commit the run began
     from, so the same weights), not with the cache's snapshot folder; the id resolves to that folder."""
-    from moeify.hub import resolve
+    from moeify.formats.hub import resolve
     from moeify.tuning.state import resume_command
 
     snapshot = resolve("org/tiny")

@@ -14,12 +14,12 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from conftest import build_dense, corpus_text
-from moeify.analysis import (capture_moe_inputs, cosine_matrix, expert_dynamics, linear_fit, live_neurons, lower_pairs,
+from moeify.evaluation.analysis import (capture_moe_inputs, cosine_matrix, expert_dynamics, linear_fit, live_neurons, lower_pairs,
                              neuron_mean, rank_counts, run_inspect, static_analysis)
-from moeify.checkpoint import CheckpointReader
-from moeify.cli import app
-from moeify.config import build_config
-from moeify.conversion import plan_conversion, run_conversion
+from moeify.formats.checkpoint import CheckpointReader
+from moeify.cli.app import app
+from moeify.formats.config import build_config
+from moeify.carving.conversion import plan_conversion, run_conversion
 from moeify.errors import MoeifyError
 
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None

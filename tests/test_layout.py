@@ -1,4 +1,4 @@
-"""Presets stated as shares of d_ff (moeify/layout.py), resolved per model into counts whose expert widths the
+"""Presets stated as shares of d_ff (moeify/formats/layout.py), resolved per model into counts whose expert widths the
 quantized kernels take: the shapes users carve, explicit flags winning, errors, moeify.toml round trip, CLI."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import build_dense
-from moeify.cli import app
-from moeify.config import build_config, config_to_toml, load_preset
+from moeify.cli.app import app
+from moeify.formats.config import build_config, config_to_toml, load_preset
 from moeify.errors import MoeifyError
-from moeify.layout import Layout, resolve_layout
+from moeify.formats.layout import Layout, resolve_layout
 
 PRESETS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.toml"))
 # d_ff of the shapes people carve: Llama-3.2-1B/3B and SmolLM2-1.7B; Llama-2-7B; Llama-2-13B; Llama-3-8B, Mistral-7B,
@@ -26,7 +26,7 @@ def test_presets_resolve_to_quantizable_widths_at_users_shapes(preset):
     """Every preset, at d_ff 8,192 / 11,008 / 14,336 / 28,672 (and 13,824), has expert widths that are multiples of
     128 without padding (experts of 128 where d_ff has them: issue 54), top-k ≤ 16 and the stated active share ± 2
     points; `--serve k-quants` gives multiples of 256 there; SmolLM2's 1,536 resolves to 48 slices of 32 (Q8_0)."""
-    from moeify.layout import serve_quanta
+    from moeify.formats.layout import serve_quanta
 
     layout = load_preset(preset)["layout"]
     assert layout.width == 128
@@ -174,7 +174,7 @@ def test_serve_resolves_the_preset_for_the_widths_a_serving_format_takes(tmp_pat
     --serve k-quants; at SmolLM2's 1,536 (no 128 near 64 slices) 48 x 32, 64 x 24 for bf16 (any width: exactly 64).
     plan and convert --dry-run print the four side by side and what the others measured; an unknown format is
     refused with the list."""
-    from moeify.config import resolve_preset
+    from moeify.formats.config import resolve_preset
 
     layout = load_preset("active-25")
 
@@ -204,7 +204,7 @@ def test_serve_resolves_the_preset_for_the_widths_a_serving_format_takes(tmp_pat
     said = " ".join(res.output.split())
     assert "the preset's layout by serving format (--serve)" in said and "32 × 256 4 + top-4 of 28 25.0%" in said
     assert "d_ff 8,192 = 64 × 128" in said and "preferred width 128" in said
-    from moeify.planning import measured_tradeoff  # what the other layouts measured, under the --serve table
+    from moeify.evaluation.planning import measured_tradeoff  # what the other layouts measured, under the --serve table
 
     measured = measured_tradeoff(0.25)
     assert {m["model"] for m in measured} >= {"Qwen2.5-Coder-0.5B", "SmolLM2-135M"} and measured_tradeoff(0.4) == []

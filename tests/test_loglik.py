@@ -1,4 +1,4 @@
-"""moeify.loglik (the scoring under `eval --tasks`): each context run once with its continuations beside it gives
+"""moeify.evaluation.loglik (the scoring under `eval --tasks`): each context run once with its continuations beside it gives
 lm-eval's own numbers (HFLM, a row per request) for a dense model and Mixtral / Qwen2-MoE carves; the rows, mask
 and truncation as documented; the whole-experts product equal to transformers' own; the retention statistics
 against a hand computation."""
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from conftest import build_dense, corpus_text
-from moeify import loglik
-from moeify.config import build_config
-from moeify.conversion import plan_conversion, run_conversion
-from moeify.stats import kept_share, mean_and_se, pooled
+from moeify.evaluation import loglik
+from moeify.formats.config import build_config
+from moeify.carving.conversion import plan_conversion, run_conversion
+from moeify.maths.stats import kept_share, mean_and_se, pooled
 
 WORDS = corpus_text(4000).split()
 
@@ -141,7 +141,7 @@ def test_kept_share_and_pooling_equal_a_hand_computation():
 
 
 def test_chance_by_item():
-    from moeify.tasks import chance_by_item
+    from moeify.evaluation.tasks import chance_by_item
 
     mc = [{"doc_id": i, "arguments": [("q", f" a{i}{j}") for j in range(2 + i)], "target": 0} for i in range(3)]
     assert chance_by_item(mc, "multiple_choice") == {0: 1 / 2, 1: 1 / 3, 2: 1 / 4}
@@ -153,7 +153,7 @@ def test_chance_by_item():
 def test_retention_pools_the_informative_tasks():
     from types import SimpleNamespace
 
-    from moeify.tasks import ModelTasks, retention
+    from moeify.evaluation.tasks import ModelTasks, retention
 
     ids = range(400)
     good = {i: float(i % 10 < 8) for i in ids}  # 0.8 on four-choice items: informative
@@ -177,7 +177,7 @@ def test_retention_pools_the_informative_tasks():
 
 
 def test_kept_share_difference_against_a_hand_computation():
-    from moeify.stats import kept_share_difference
+    from moeify.maths.stats import kept_share_difference
 
     a = [1, 1, 0, 1, 0, 1, 1, 0, 1, 1.0]
     f = [1, 0, 0, 1, 1, 1, 0, 0, 1, 0.0]

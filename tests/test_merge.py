@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 import moeify
-from moeify.cli import app
+from moeify.cli.app import app
 from moeify.errors import MoeifyError
 
 SHAKESPEARE = Path(__file__).resolve().parents[1] / "examples" / "calib"

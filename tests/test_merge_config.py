@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 import moeify
-from moeify.cli import app
+from moeify.cli.app import app
 from moeify.errors import MoeifyError
-from moeify.merge_config import output_format, read_merge_spec
+from moeify.merging.spec import output_format, read_merge_spec
 
 PROMPTS = [(["The history of the city", "In the year 1820 the king"], ["def main():"]),
            (["x = [i * i for i in range(10)]", "import torch\n"], []),

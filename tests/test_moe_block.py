@@ -1,4 +1,4 @@
-"""The student's MoE block (moeify.moe_block): the grouped kernel (only the chosen experts' products) computes what
+"""The student's MoE block (moeify.maths.moe_block): the grouped kernel (only the chosen experts' products) computes what
 the masked one computes, forward and backward, to bf16 rounding; and it steps aside where it does not apply."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeify.moe_block import MaskedMoE, grouped_mm_available
+from moeify.maths.moe_block import MaskedMoE, grouped_mm_available
 
 pytestmark = pytest.mark.skipif(not grouped_mm_available(), reason="this torch has no torch._grouped_mm")
 

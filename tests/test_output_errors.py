@@ -15,10 +15,10 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import build_dense, tree_hash
-from moeify.checkpoint import PARTIAL_SUFFIX
-from moeify.cli import app
+from moeify.formats.checkpoint import PARTIAL_SUFFIX
+from moeify.cli.app import app
 from moeify.errors import MoeifyError
-from moeify.writer import ShardWriter, output_errors
+from moeify.formats.writer import ShardWriter, output_errors
 from test_reliability import assert_refused
 
 
@@ -153,9 +153,9 @@ def test_an_os_error_of_another_path_is_not_the_outputs(tmp_path):
 def tunable(tmp_path_factory, tokenizer_dir, sources) -> dict[str, Path]:
     """A carve of source a (its dense model beside it) and an upcycle of it, each for `tune` to rewrite in place."""
     from conftest import corpus_text
-    from moeify.config import build_config
-    from moeify.conversion import plan_conversion, run_conversion
-    from moeify.upcycling import UpcycleSettings, plan_upcycle, run_upcycle
+    from moeify.formats.config import build_config
+    from moeify.carving.conversion import plan_conversion, run_conversion
+    from moeify.upcycling.upcycle import UpcycleSettings, plan_upcycle, run_upcycle
     from tuning_fixtures import CARVE
 
     root = tmp_path_factory.mktemp("tunable")

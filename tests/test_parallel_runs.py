@@ -17,10 +17,10 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import build_dense, built_once
-from moeify.config import build_config
-from moeify.conversion import plan_conversion, run_conversion
+from moeify.formats.config import build_config
+from moeify.carving.conversion import plan_conversion, run_conversion
 from moeify.errors import MoeifyError
-from moeify.parallel import DEFAULT_TIMEOUT, Parallel, collective_timeout
+from moeify.training.parallel import DEFAULT_TIMEOUT, Parallel, collective_timeout
 from test_calibrate import CALIB
 
 HELD_BACK = Path(__file__).with_name("held_back.py")

@@ -8,11 +8,11 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import build_dense
-from moeify.cli import app
-from moeify.config import build_config
-from moeify.conversion import plan_conversion
+from moeify.cli.app import app
+from moeify.formats.config import build_config
+from moeify.carving.conversion import plan_conversion
 from moeify.errors import MoeifyError
-from moeify.planning import non_ffn_params, plan_from_path, plan_moe, read_source_config
+from moeify.evaluation.planning import non_ffn_params, plan_from_path, plan_moe, read_source_config
 
 # meta-llama/Meta-Llama-3-8B config.json (as published)
 LLAMA3_8B = {
@@ -177,7 +177,7 @@ def rendered(print_fn, *args) -> list[str]:
 
 
 def test_serving_fit_of_expert_widths():
-    from moeify.planning import friendly_expert_counts, serving_fit
+    from moeify.evaluation.planning import friendly_expert_counts, serving_fit
 
     fit = {w: [tp for _, tp in serving_fit(w)] for w in (224, 192, 256, 1792, 3584, 128)}
     # llama.cpp Q8_0 (x32) and K-quants (x256, no TP), vLLM FP8 block and int4 Marlin (x128 per GPU: largest TP of
@@ -192,7 +192,7 @@ def test_serving_fit_of_expert_widths():
 
 def test_plan_names_serving_formats_and_fits_80_columns(llama3_config, tmp_path):
     """64 experts of Llama-3-8B are 224 wide: no K-quants, no FP8 block, no Marlin; padding or other counts fix it."""
-    from moeify.report import print_moe_plan
+    from moeify.cli.report import print_moe_plan
 
     lines = rendered(print_moe_plan, plan_from_path(llama3_config, experts=64, top_k=8))
     advice = [ln for ln in lines if ln.startswith("  ×")]
@@ -213,7 +213,7 @@ def test_plan_names_serving_formats_and_fits_80_columns(llama3_config, tmp_path)
 def test_dry_run_serving_fit_padding_and_json(tmp_path):
     """A SmolLM2-like d_ff of 1536 in 8 experts (192 wide) suits no quantized format; --pad-experts-to 256 stores
     256-wide experts that suit all three. The dry-run plan fits 80 columns; --json - prints the plan alone."""
-    from moeify.report import print_plan
+    from moeify.cli.report import print_plan
 
     src = build_dense(tmp_path / "dense", intermediate_size=1536)
     plan = plan_conversion(src, build_config(experts=8, top_k=2))
@@ -243,7 +243,7 @@ def test_dry_run_serving_fit_padding_and_json(tmp_path):
 
 
 def test_engine_notes_name_what_fails_and_the_fix():
-    from moeify.engines import engine_notes
+    from moeify.formats.engines import engine_notes
 
     notes = engine_notes("mixtral", 32, 64, 0, 24, True, 0, 64, 576, 9)
     fail = [n for n in notes if n.fails]
@@ -298,8 +298,8 @@ def test_presets_name_every_engine_and_every_engine_runs_them(tmp_path, tokenize
     qwen2moe has no tied output) has no engine that fails: the preset itself carries what the engines need."""
     from pathlib import Path
 
-    from moeify.config import load_preset
-    from moeify.engines import ENGINES, LLAMACPP_MAX_TOPK
+    from moeify.formats.config import load_preset
+    from moeify.formats.engines import ENGINES, LLAMACPP_MAX_TOPK
 
     src = build_dense(tmp_path / "dense", tokenizer_dir, intermediate_size=128, tie_word_embeddings=True)
     presets = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.toml"))
@@ -354,7 +354,7 @@ QWEN25_15B = {
 def test_a_preset_plan_prices_the_upcycles_as_upcycle_builds_them(tmp_path):
     """With --preset active-25 a Qwen2.5-1.5B carve has many small experts; max capacity and constant compute are
     still E8 top-2 and E8 G4 top-4 (they showed 61 experts top-9, 81.31B, 52.7× dense: a row no one would build)."""
-    from moeify.planning import plan_preset
+    from moeify.evaluation.planning import plan_preset
 
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(QWEN25_15B))
@@ -375,7 +375,7 @@ def test_training_memory_of_llama3_8b_e8_per_process(llama3_config):
     """Llama-3-8B as E8 top-2: 47.49B parameters. Training it in bf16 across 8 GPUs: the float32 weights and AdamW
     (16 B a trained parameter, 4 B a frozen one) / 8, two gathered layers in bf16 and a layer's float32 gradients,
     one window's activations and logits; offloaded, the 16 B a parameter go to host memory."""
-    from moeify.planning import plan_from_path
+    from moeify.evaluation.planning import plan_from_path
 
     plan = plan_from_path(llama3_config, experts=8, top_k=2)
     rows = {r["layout"]: r for r in plan.training_memory(8, 80e9)}
@@ -401,7 +401,7 @@ def test_training_memory_of_a_70b_upcycle_and_the_cli_rows(tmp_path):
     c = tmp_path / "config.json"
     c.write_text(json.dumps({**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
                              "num_attention_heads": 64}))
-    from moeify.planning import plan_from_path
+    from moeify.evaluation.planning import plan_from_path
 
     rows = {r["layout"]: r for r in plan_from_path(c, experts=8, top_k=2).training_memory(64, 80e9)}
     e8 = rows["E8 top-2"]

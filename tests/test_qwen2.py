@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from conftest import build_dense, load
-from moeify.checkpoint import CheckpointReader
-from moeify.config import build_config
-from moeify.conversion import plan_conversion, run_conversion
-from moeify.experts import unpermute_ffn
-from moeify.partition import Partition
+from moeify.formats.checkpoint import CheckpointReader
+from moeify.formats.config import build_config
+from moeify.carving.conversion import plan_conversion, run_conversion
+from moeify.formats.experts import unpermute_ffn
+from moeify.maths.partition import Partition
 from test_calibrate import CALIB
 from test_reliability import assert_refused, cli
 
@@ -95,7 +95,7 @@ def test_a_calibrated_and_tuned_qwen2_carve_verifies_against_its_source(tmp_path
     """The whole pipeline on a Qwen2 source: calibration runs Qwen2's own decoder layers, tuning distils towards the
     Qwen2 teacher, and `verify --against` finds every non-FFN tensor (biases included) equal to the source's."""
     from moeify.tuning import TuneOptions, tune_output
-    from moeify.verify import verify_checkpoint
+    from moeify.evaluation.verify import verify_checkpoint
 
     src = build_dense(tmp_path / "dense", tokenizer_dir, initializer_range=0.3, **QWEN)
     run_conversion(plan_conversion(src, build_config(experts=4, top_k=2, shared=2, **CALIB)), tmp_path / "moe")

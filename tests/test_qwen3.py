@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from conftest import build_dense
-from moeify.checkpoint import CheckpointReader
-from moeify.config import build_config
-from moeify.conversion import plan_conversion, run_conversion
-from moeify.engines import same_share_layout
+from moeify.formats.checkpoint import CheckpointReader
+from moeify.formats.config import build_config
+from moeify.carving.conversion import plan_conversion, run_conversion
+from moeify.formats.engines import same_share_layout
 from test_calibrate import CALIB
 from test_qwen2 import EXACT_LOGPROB, altered_logprob_diff, assert_round_trip, max_logprob_diff
 from test_reliability import assert_refused, cli
@@ -60,7 +60,7 @@ def test_a_calibrated_and_tuned_qwen3_carve_verifies_inspects_and_loads(tmp_path
     Qwen3 teacher, `verify --against` finds every non-FFN tensor (q/k norms included) equal to the source's and the
     all-experts logits of a training-free carve equal, and `inspect` reads the output."""
     from moeify.tuning import TuneOptions, tune_output
-    from moeify.verify import verify_checkpoint
+    from moeify.evaluation.verify import verify_checkpoint
     from conftest import load
 
     src = build_dense(tmp_path / "dense", tokenizer_dir, initializer_range=0.3, **QWEN3)

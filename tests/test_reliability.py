@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from conftest import build_dense, edit_json, rewrite, tree_hash
-from moeify.cli import app
+from moeify.cli.app import app
 
 REPO = Path(__file__).resolve().parents[1]
 LAYER_TENSOR = "model.layers.1.mlp.up_proj.weight"
@@ -317,7 +317,7 @@ def _help_text(*command: str) -> str:
 def test_help_cites_an_existing_preset_name_and_one_json_convention():
     """--help names the recommended preset by the name that works from an installed package (active-50; e8k2 never
     existed), and every command's --json takes PATH (a file) or '-' (stdout)."""
-    from moeify.config import preset_names
+    from moeify.formats.config import preset_names
 
     text = _help_text("convert")
     assert "--preset active-50" in text and "[default: active-50 when no" in text and "e8k2" not in text
@@ -381,7 +381,7 @@ def test_not_enough_free_space(tmp_path, source, monkeypatch):
 
 def test_enough_free_space_counts_the_output(tmp_path, source, monkeypatch):
     """The check compares with the planned output size plus margin, not a fixed number."""
-    from moeify.writer import FREE_SPACE_MARGIN
+    from moeify.formats.writer import FREE_SPACE_MARGIN
 
     Usage = namedtuple("Usage", "total used free")
     out_bytes = sum(t.numel() * 2 for t in load_file(str(source / "model.safetensors")).values())  # ~ output
@@ -394,7 +394,7 @@ def test_enough_free_space_counts_the_output(tmp_path, source, monkeypatch):
 
 
 def test_internal_error_exits_1_and_leaves_nothing(tmp_path, source, monkeypatch):
-    import moeify.conversion as convert
+    import moeify.carving.conversion as convert
 
     def boom(*args, **kwargs):
         (tmp_path / "out.moeify-partial" / "model.safetensors").write_bytes(b"half")
@@ -407,7 +407,7 @@ def test_internal_error_exits_1_and_leaves_nothing(tmp_path, source, monkeypatch
 
 
 def test_ctrl_c_leaves_nothing(tmp_path, source, monkeypatch):
-    import moeify.conversion as convert
+    import moeify.carving.conversion as convert
 
     def interrupted(plan, writer, *args, **kwargs):
         writer.write("model.embed_tokens.weight", plan.reader.get("model.embed_tokens.weight"))
@@ -421,7 +421,7 @@ def test_ctrl_c_leaves_nothing(tmp_path, source, monkeypatch):
 
 def test_an_internally_inconsistent_output_is_not_committed(tmp_path, source, monkeypatch):
     """convert runs the cheap part of verify on its output: a config.json that disagrees with the shards is a bug."""
-    import moeify.conversion as convert
+    import moeify.carving.conversion as convert
 
     real = convert.target_config
     monkeypatch.setattr(convert, "target_config", lambda *a, **k: {**real(*a, **k), "num_local_experts": 5})
@@ -469,7 +469,7 @@ def slow_source(tmp_path_factory) -> Path:
 
 
 def _start_convert(src: Path, out: Path, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "moeify.cli", "convert", str(src), str(out), "-n", "8", "-k", "2", "--weight-only",
+    cmd = [sys.executable, "-m", "moeify.cli.app", "convert", str(src), str(out), "-n", "8", "-k", "2", "--weight-only",
            "--method", "gate-cluster", "--kmeans-iters", "20", "--max-shard-size", "50KB", *extra]
     # A shell running the tests in the background (nohup, CI runners) may start us with SIGINT ignored, and a
     # child inherits that; restore the default so the child sees Ctrl-C as a user's terminal would send it.

@@ -15,14 +15,14 @@ from safetensors import safe_open
 from scipy.optimize import linear_sum_assignment
 
 from conftest import load
-from moeify.checkpoint import CheckpointReader, TensorInfo, first_nonfinite
-from moeify.writer import BackgroundWriter, ShardLayout, ShardWriter
-from moeify.compensate import refit_down, routing_mask
-from moeify.config import build_config
+from moeify.formats.checkpoint import CheckpointReader, TensorInfo, first_nonfinite
+from moeify.formats.writer import BackgroundWriter, ShardLayout, ShardWriter
+from moeify.carving.compensate import refit_down, routing_mask
+from moeify.formats.config import build_config
 from moeify.errors import MoeifyError
-from moeify.conversion import plan_conversion, run_conversion
-from moeify.experts import _scaled
-from moeify.partition import Partition, _balanced_assign_ssp, assignment_prices, balanced_assign, balanced_kmeans
+from moeify.carving.conversion import plan_conversion, run_conversion
+from moeify.formats.experts import _scaled
+from moeify.maths.partition import Partition, _balanced_assign_ssp, assignment_prices, balanced_assign, balanced_kmeans
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,7 +60,7 @@ def test_ssp_with_ties_and_cosine_costs():
 def test_warm_started_assignment_is_still_optimal(monkeypatch, n_clusters, size):
     """The SSP path starts from balancing prices, and k-means passes the last iteration's prices: neither may
     change the optimum (a per-cluster constant shifts every balanced assignment's cost equally)."""
-    import moeify.partition as P
+    import moeify.maths.partition as P
 
     monkeypatch.setattr(P, "LSA_MAX_NEURONS", 0)  # force the SSP path (with its warm start) on small problems
     rng = np.random.default_rng(n_clusters + size)

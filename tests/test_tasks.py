@@ -13,10 +13,10 @@ import torch
 
 from conftest import build_dense, corpus_text
 from test_eval import error_line, run_cli
-from moeify.config import build_config
-from moeify.conversion import plan_conversion, run_conversion
+from moeify.formats.config import build_config
+from moeify.carving.conversion import plan_conversion, run_conversion
 from moeify.errors import MoeifyError
-from moeify.evaluation import (generation_prompts, greedy_repetition, mean_and_se, paired_difference,
+from moeify.evaluation.perplexity import (generation_prompts, greedy_repetition, mean_and_se, paired_difference,
                                repeated_ngram_share)
 
 pytest.importorskip("lm_eval", reason="needs lm-evaluation-harness: pip install -e '.[tasks]'")
@@ -166,7 +166,7 @@ def test_kept_answers_resume_an_interrupted_run_and_spare_a_model_scored_before(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import moeify
-    import moeify.tasks as tasks
+    import moeify.evaluation.tasks as tasks
 
     dense, _ = models
     loaded = tasks.load_tasks("tiny_mc,tiny_lastword", task_dir=task_dir)
@@ -308,7 +308,7 @@ def test_bundled_definition_gives_the_harness_prompts(name, task_data):
     import lm_eval.tasks
     from lm_eval.tasks._yaml_loader import load_yaml
 
-    from moeify.tasks import bundled_config
+    from moeify.evaluation.tasks import bundled_config
 
     ours = bundled_config(name, task_data)
     theirs = load_yaml(Path(lm_eval.tasks.__file__).parent / HARNESS[name], resolve_func=True)
@@ -417,8 +417,8 @@ def test_retention_line_in_the_report_and_the_card(tmp_path):
     """The pooled retention as `eval --tasks` prints it (80 columns) and the card states it."""
     from rich.console import Console
 
-    from moeify.card import _task_lines
-    from moeify.report import print_retention
+    from moeify.formats.card import _task_lines
+    from moeify.cli.report import print_retention
 
     r = {"informative_ses": 3, "informative": ["arc_easy", "piqa"],
          "tasks": {"arc_easy": {"metric": "acc", "chance": 0.25, "informative": True},

@@ -1,4 +1,4 @@
-"""moeify.terminal: the progress bars' plain lines in a log file (no live bar there)."""
+"""moeify.cli.terminal: the progress bars' plain lines in a log file (no live bar there)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 
 from rich.console import Console
 
-from moeify import terminal
+from moeify.cli import terminal
 
 
 def test_log_file_gets_a_line_a_minute_and_the_last(monkeypatch):

@@ -36,7 +36,7 @@ def outputs(tmp_path_factory, tokenizer_dir):
     each trained by one process (the reference) and by two; read-only."""
     def build(root: Path) -> None:
         import moeify
-        from moeify.upcycling import UpcycleSettings, plan_upcycle, run_upcycle
+        from moeify.upcycling.upcycle import UpcycleSettings, plan_upcycle, run_upcycle
 
         (root / "train.txt").write_text(corpus_text(12000))
         dense = build_dense(root / "dense", tokenizer_dir)

@@ -14,10 +14,10 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 import moeify
-from moeify.cli import app
+from moeify.cli.app import app
 from moeify.errors import MoeifyError
 from moeify.tuning.lm import balance, load_summary
-from moeify.upcycling import UpcycleSettings, plan_upcycle, run_upcycle
+from moeify.upcycling.upcycle import UpcycleSettings, plan_upcycle, run_upcycle
 
 FAST = dict(seq_len=32, step_tokens=64)  # windows of 32 tokens, two a step
 
@@ -168,7 +168,7 @@ def test_a_mix_of_texts_is_held_out_from_every_text(upcycled, tmp_path, text):
     other = tmp_path / "other.txt"
     other.write_text(corpus_text(40000)[20000:])
     train, held, seq = _windows(upcycled[1], TrainOptions(tokens=64, text=(str(text), str(other)), seq_len=32), 128)
-    from moeify.calibrate import text_windows
+    from moeify.formats.text import text_windows
 
     first, second = text_windows(upcycled[1], [text], 32), text_windows(upcycled[1], [other], 32)
     assert seq == 32 and held.shape[0] >= 2 and train.shape[0] + held.shape[0] == first.shape[0] + second.shape[0]

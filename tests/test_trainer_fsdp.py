@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 
 from conftest import CORPUS, build_dense
-from moeify.checkpoint import CheckpointReader
+from moeify.formats.checkpoint import CheckpointReader
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_an_upcycle_trains_in_trainer_across_2_processes_and_saves_its_own_names(tmp_path, tokenizer_dir):
-    from moeify.upcycling import UpcycleSettings, plan_upcycle, run_upcycle
+    from moeify.upcycling.upcycle import UpcycleSettings, plan_upcycle, run_upcycle
 
     dense = build_dense(tmp_path / "dense", tokenizer_dir)
     out = tmp_path / "moe"

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from conftest import build_dense, max_logit_diff
-from moeify.compensate import routing_mask
-from moeify.config import build_config
-from moeify.conversion import plan_conversion, run_conversion
+from moeify.carving.compensate import routing_mask
+from moeify.formats.config import build_config
+from moeify.carving.conversion import plan_conversion, run_conversion
 from moeify.errors import MoeifyError
-from moeify.partition import Partition
-from moeify.layerfit import FitSettings, masked_ffn, fit_layer
-from moeify.verify import verify_checkpoint
+from moeify.maths.partition import Partition
+from moeify.maths.layerfit import FitSettings, masked_ffn, fit_layer
+from moeify.evaluation.verify import verify_checkpoint
 from test_calibrate import CALIB
 
 
@@ -117,7 +117,7 @@ def test_whole_model_tuning_reports_kl_and_keeps_the_format(tmp_path, calib_mode
 def test_tuned_attention_is_what_the_checkpoint_computes(tmp_path, calib_model, monkeypatch):
     """--tune-attention: the written checkpoint computes what the trained student computed (attention, norms,
     experts and routers alike), its attention differs from the source's, and verify says why it skips them."""
-    import moeify.distill as distill_mod
+    import moeify.training.distill as distill_mod
     from conftest import load
 
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
@@ -163,9 +163,9 @@ def test_tune_flags_need_a_budget_and_a_share():
 
 def _masked_moe_from_output(tmp_path, calib_model, fmt, **kw):
     from conftest import load
-    from moeify.checkpoint import CheckpointReader
-    from moeify.experts import unpermute_ffn
-    from moeify.moe_block import MaskedMoE
+    from moeify.formats.checkpoint import CheckpointReader
+    from moeify.formats.experts import unpermute_ffn
+    from moeify.maths.moe_block import MaskedMoE
 
     n = 3 if kw.get("shared") else 4
     cfg = build_config(experts=n, top_k=2, gate_tolerance=0.5, format=fmt, **kw, **CALIB)
@@ -209,7 +209,7 @@ def _tiny_student():
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from moeify.moe_block import MaskedMoE
+    from moeify.maths.moe_block import MaskedMoE
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -230,8 +230,8 @@ def _tiny_student():
 def test_distill_starts_at_the_carved_model_and_lowers_held_out_kl():
     """Step 0 of the student is the carved model (log scale at the carve's scale), the KL is 0 for a student equal
     to the teacher, and training lowers the held-out KL of a carved student."""
-    from moeify.distill import DistillSettings, distill, final_hidden
-    from moeify.kl import chunked_kl
+    from moeify.training.distill import DistillSettings, distill, final_hidden
+    from moeify.training.kl import chunked_kl
 
     teacher, student, ids = _tiny_student()
     with torch.no_grad():
@@ -252,7 +252,7 @@ def test_chunked_kl_gradient_computed_in_forward_equals_autograds():
     autocast the loss stays float32-exact and the gradient is close."""
     import torch.nn.functional as F
 
-    from moeify.kl import chunked_kl
+    from moeify.training.kl import chunked_kl
 
     gen = torch.Generator().manual_seed(0)
     head0 = torch.randn(50, 8, generator=gen)
@@ -283,7 +283,7 @@ def test_kl_logits_in_the_autocast_dtype_only_for_the_training_kl_under_autocast
     """kl_logits "autocast": under bf16 autocast the training KL's logit products run in bf16 (the loss moves by
     bf16 rounding, the gradient stays close); without autocast, and for the held-out check (no gradient), the KL is
     the float32 one exactly; an unknown value is refused by name."""
-    from moeify.kl import chunked_kl
+    from moeify.training.kl import chunked_kl
 
     gen = torch.Generator().manual_seed(2)
     head, ht, hs0 = (torch.randn(*s, generator=gen) for s in ((200, 16), (12, 16), (12, 16)))
@@ -311,8 +311,8 @@ def test_fused_kl_equals_eager_and_falls_back(monkeypatch):
     """The KL's softmax part compiled (torch.compile, the path of large logits) gives the eager loss and gradients to
     float32 rounding; where compiling fails (at torch.compile or at the first call) it warns once and computes the
     same result eagerly."""
-    from moeify import kl as distill
-    from moeify.kl import chunked_kl
+    from moeify.training import kl as distill
+    from moeify.training.kl import chunked_kl
 
     gen = torch.Generator().manual_seed(1)
     head0, ht, hs0 = (torch.randn(*s, generator=gen) for s in ((300, 16), (28, 16), (28, 16)))
@@ -352,7 +352,7 @@ def _tiny_teacher_student(seed=0):
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from moeify.moe_block import MaskedMoE
+    from moeify.maths.moe_block import MaskedMoE
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -371,7 +371,7 @@ def _tiny_teacher_student(seed=0):
 def test_share_frozen_holds_the_model_once_and_keeps_the_outputs():
     """The student uses the teacher's embeddings, attention and norms (the same tensors), its outputs do not change;
     the teacher's FFNs stored in bf16 give bit-identical hidden states under bf16 autocast."""
-    from moeify.distill import final_hidden, share_frozen
+    from moeify.training.distill import final_hidden, share_frozen
 
     teacher, student = _tiny_teacher_student()
     ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -399,7 +399,7 @@ def test_share_frozen_holds_the_model_once_and_keeps_the_outputs():
 def test_distill_micro_batches_accumulate_the_same_step():
     """A step's windows through forward + backward one at a time (the default, half the activation memory) or all
     at once train the same weights."""
-    from moeify.distill import DistillSettings, distill
+    from moeify.training.distill import DistillSettings, distill
 
     results = []
     for micro in (1, 4):
@@ -418,7 +418,7 @@ def test_distill_micro_batches_accumulate_the_same_step():
 def test_attention_step_size_is_its_own():
     """With --tune-attention the attention and norm tensors take attention_lr (relative to their RMS), the experts
     lr: attention_lr 0 trains the experts and leaves attention and norms bit-identical; by default, both move."""
-    from moeify.distill import DistillSettings, attention_params, distill
+    from moeify.training.distill import DistillSettings, attention_params, distill
 
     moved, default = {}, DistillSettings(tokens=0).attention_lr
     for att_lr in (0.0, default):
@@ -439,8 +439,8 @@ def test_dense_router_gradient_changes_the_gradient_not_the_model():
     """router_grad 'dense' (DenseMixer's straight-through router): the forward pass is bit-identical to top-k, but
     the router rows of experts no token chose get a gradient (with Mixtral's top-k renormalised weights they get
     none under 'topk'); outside training (no grad) nothing changes; a bad value is refused."""
-    from moeify.distill import DistillSettings, distill
-    from moeify.moe_block import MaskedMoE
+    from moeify.training.distill import DistillSettings, distill
+    from moeify.maths.moe_block import MaskedMoE
 
     gen = torch.Generator().manual_seed(0)
     gate, up = torch.randn(64, 16, generator=gen), torch.randn(64, 16, generator=gen)
@@ -475,8 +475,8 @@ def test_sampling_keeps_the_teachers_targets_and_tuning_skips_the_teacher_on_the
     """The final hidden states kept while sampling equal a full forward over the sampled windows (float16 storage,
     KV-cached computation), and a step whose windows have kept targets does not run the teacher, training the same
     weights as one that runs it."""
-    from moeify.distill import DistillSettings, distill, final_hidden
-    from moeify.sampling import sample_text
+    from moeify.training.distill import DistillSettings, distill, final_hidden
+    from moeify.training.sampling import sample_text
 
     teacher, _ = _tiny_teacher_student()
     prompts = torch.randint(0, 97, (6, 4), generator=torch.Generator().manual_seed(3))
@@ -518,7 +518,7 @@ def test_sampling_cost_is_fitted_against_the_kv_length_and_taken_at_a_whole_wind
     """The dry run's sampling estimate: step times grow with the KV cache, so a short run's steps are fitted as
     a + b * length and read at the mean length of a whole window's steps (the first step, with the prompt's
     forward, left out); a clock on generate() records a step per new token and leaves the text as it was."""
-    from moeify.sampling import sample_text, sampling_seconds_per_token
+    from moeify.training.sampling import sample_text, sampling_seconds_per_token
 
     # steps of 1 ms + 0.01 ms per token of context, lengths 17..112, after a prefill of 50 ms
     stamps, t = [(17, 0.05)], 0.05

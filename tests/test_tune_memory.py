@@ -9,8 +9,8 @@ import warnings
 import pytest
 import torch
 
-from moeify.config import build_config
-from moeify.conversion import plan_conversion, run_conversion
+from moeify.formats.config import build_config
+from moeify.carving.conversion import plan_conversion, run_conversion
 from moeify.errors import MoeifyError
 from moeify.tuning import TuneOptions, TuningInterrupted, estimate_run, state_dir, tune_output
 from tuning_fixtures import CARVE, OPTS, assert_identical, assert_trained_alike, copy_output, interrupt_at
@@ -20,11 +20,11 @@ from tuning_fixtures import carved  # noqa: F401 (a fixture)
 def test_memory_model_counts_what_tuning_holds(carved):
     """The memory model's teacher and student terms are the bytes of the tensors tuning really holds (its
     activation and KL terms are held against measured peaks in scripts/bench_memory.py, not here)."""
-    from moeify.checkpoint import CheckpointReader
-    from moeify.distill import share_frozen
-    from moeify.moe_block import MaskedMoE
-    from moeify.families import load_source
-    from moeify.memory import source_tuning_memory
+    from moeify.formats.checkpoint import CheckpointReader
+    from moeify.training.distill import share_frozen
+    from moeify.maths.moe_block import MaskedMoE
+    from moeify.formats.families import load_source
+    from moeify.maths.memory import source_tuning_memory
     from moeify.tuning import build_student, read_output
     from transformers import AutoModelForCausalLM
 
@@ -82,9 +82,9 @@ def test_offloaded_tuning_trains_what_plain_tuning_trains_and_resumes(carved, tm
 def test_offload_is_chosen_when_the_gpu_is_too_small_otherwise(carved):
     """The memory model moves the student's state to the host with offload (GPU runs only), and auto picks offload
     exactly when the plain run does not fit the GPU and the offloaded one does."""
-    import moeify.memory as memory_mod
-    from moeify.families import load_source
-    from moeify.memory import choose_offload, source_tuning_memory
+    import moeify.maths.memory as memory_mod
+    from moeify.formats.families import load_source
+    from moeify.maths.memory import choose_offload, source_tuning_memory
 
     dense, _ = carved
     src = load_source(dense)
@@ -104,7 +104,7 @@ def test_offload_is_chosen_when_the_gpu_is_too_small_otherwise(carved):
     finally:
         memory_mod.device_memory = orig
     # a 70B-shaped prediction: 8B on one 80 GB GPU fits only offloaded (README "Tuning an 8B / 70B model")
-    from moeify.memory import tuning_memory
+    from moeify.maths.memory import tuning_memory
 
     llama8b = dict(hidden=4096, d_ff=14336, n_layers=32, heads=32, kv_heads=8, head_dim=128, vocab=128256, tied=False,
                    experts=42, bf16=True, device="cuda")
@@ -112,7 +112,7 @@ def test_offload_is_chosen_when_the_gpu_is_too_small_otherwise(carved):
 
 
 def test_a_run_that_does_not_fit_is_refused_before_any_work(carved, tmp_path, monkeypatch):
-    import moeify.memory as memory_mod
+    import moeify.maths.memory as memory_mod
     import moeify.tuning.sizing as tune_sizing
 
     dense, carve = carved
@@ -135,9 +135,9 @@ def test_a_run_that_does_not_fit_is_refused_before_any_work(carved, tmp_path, mo
 def test_plan_prints_the_tuning_memory(carved):
     from typer.testing import CliRunner
 
-    from moeify.cli import app
-    from moeify.families import load_source
-    from moeify.memory import source_tuning_memory
+    from moeify.cli.app import app
+    from moeify.formats.families import load_source
+    from moeify.maths.memory import source_tuning_memory
 
     dense, _ = carved
     res = CliRunner().invoke(app, ["plan", str(dense), "--experts", "4", "--top-k", "2", "--json", "-"])
@@ -156,7 +156,7 @@ def test_the_memory_model_shards_the_teacher_across_processes():
     """Across processes every decoder layer's attention and FFN of the teacher is split (FSDP2), so the per-process
     peak of a 70B model falls with the GPU count, and 8 x 80 GB GPUs fit it offloaded (README "Tuning an 8B / 70B
     model"); a refused run names the layout that fits."""
-    from moeify.memory import GPU_COUNTS, tuning_memory
+    from moeify.maths.memory import GPU_COUNTS, tuning_memory
 
     llama70b = dict(hidden=8192, d_ff=28672, n_layers=80, heads=64, kv_heads=8, head_dim=128, vocab=128256,
                     tied=False, experts=42, bf16=True, device="cuda")
@@ -178,7 +178,7 @@ def test_a_saved_state_is_written_one_tensor_at_a_time(tmp_path):
     part in the gathering and writes nothing."""
     import weakref
 
-    from moeify.distill import Pending
+    from moeify.training.distill import Pending
     from moeify.tuning.state import SavedTensors, _stream_save
 
     alive, produced = [], []
@@ -206,7 +206,7 @@ def test_a_saved_state_is_written_one_tensor_at_a_time(tmp_path):
 def test_gpu_sample_batch_fills_half_the_free_memory_between_64_and_1024_windows():
     """On a GPU sampling is launch-bound, so the batch grows into half the free memory (at the memory model's
     bytes a window), never below the CPU's 64 (what the memory check counted) nor above 1,024 or the run's need."""
-    from moeify.memory import sampling_bytes_per_window
+    from moeify.maths.memory import sampling_bytes_per_window
     from moeify.tuning.data import gpu_sample_batch
 
     w = sampling_bytes_per_window(seq=512, n_layers=30, kv_heads=3, head_dim=64, hidden=576, vocab=49152)
@@ -222,7 +222,7 @@ def test_attention_shape_defaults_and_explicit_values():
     the query heads, head_dim to hidden / heads; explicit values win (SmolLM2: 9 heads, 3 kv heads, 64)."""
     from transformers import LlamaConfig
 
-    from moeify.families import attention_shape
+    from moeify.formats.families import attention_shape
 
     assert attention_shape(LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3)) == (9, 3, 64)
     bare = LlamaConfig(hidden_size=64, num_attention_heads=4)

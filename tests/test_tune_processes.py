@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from moeify.verify import verify_checkpoint
+from moeify.evaluation.verify import verify_checkpoint
 from tuning_fixtures import assert_trained_alike, one_and_two_processes, tensors_of
 from tuning_fixtures import carved  # noqa: F401 (a fixture)
 
@@ -82,7 +82,7 @@ def test_teacher_pass_and_sampling_run_in_step_with_the_busiest_rank(carved, tmp
     """Across processes every teacher forward gathers the sharded layers from every rank, so each rank runs as many
     forwards as the busiest one: rank 1 computes only its own batches and pads every round with one-token (teacher
     pass) or one-window (sampling) forwards up to the other rank's count."""
-    from moeify.distill import DistillSettings
+    from moeify.training.distill import DistillSettings
     from moeify.tuning.data import SAMPLE_BATCH, drawn_windows, sampled_windows
     from moeify.tuning.state import _atomic_save
     from moeify.tuning.teacher import TARGET_BATCH, teacher_pass
@@ -124,8 +124,8 @@ def test_teacher_pass_and_sampling_run_in_step_with_the_busiest_rank(carved, tmp
 def test_a_sharded_student_is_sharded_layer_by_layer_as_it_is_built(carved, monkeypatch):
     """Across processes each MaskedMoE is handed to FSDP2 as soon as it is built, so no rank holds the whole
     student's experts at once (a 70B student is 224 GB in float32)."""
-    import moeify.moe_block as moe_block_mod
-    from moeify.checkpoint import CheckpointReader
+    import moeify.maths.moe_block as moe_block_mod
+    from moeify.formats.checkpoint import CheckpointReader
     from moeify.tuning import build_student, read_output
 
     built, seen = [], []

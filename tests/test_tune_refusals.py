@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from conftest import build_dense, edit_json, tree_hash
-from moeify.config import build_config
-from moeify.conversion import plan_conversion, run_conversion
+from moeify.formats.config import build_config
+from moeify.carving.conversion import plan_conversion, run_conversion
 from moeify.tuning import TuningInterrupted, state_dir, tune_output
 from test_calibrate import CALIB
 from test_reliability import assert_refused, cli

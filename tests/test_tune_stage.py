@@ -15,18 +15,18 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import build_dense, kill_at_step, load
-from moeify.config import build_config
-from moeify.conversion import plan_conversion, run_conversion
+from moeify.formats.config import build_config
+from moeify.carving.conversion import plan_conversion, run_conversion
 from moeify.errors import MoeifyError
 from moeify.tuning import TuneOptions, TuningInterrupted, state_dir, tune_output
-from moeify.verify import verify_checkpoint
+from moeify.evaluation.verify import verify_checkpoint
 from test_calibrate import CALIB
 from tuning_fixtures import CARVE, OPTS, assert_identical, copy_output, interrupt_at, tensors_of
 from tuning_fixtures import carved  # noqa: F401 (a fixture)
 
 
 def test_tuning_lowers_held_out_kl_and_the_output_computes_what_the_student_computed(carved, tmp_path, monkeypatch):
-    import moeify.distill as distill_mod
+    import moeify.training.distill as distill_mod
 
     dense, carve = carved
     out = copy_output(carve, tmp_path / "moe")
@@ -236,7 +236,7 @@ def test_convert_interrupted_while_tuning_resumes_at_tuning(carved, tmp_path):
 def test_tune_command_line(carved, tmp_path):
     from typer.testing import CliRunner
 
-    from moeify.cli import app
+    from moeify.cli.app import app
 
     dense, carve = carved
     out = copy_output(carve, tmp_path / "moe")
@@ -276,7 +276,7 @@ def test_sampling_resumes_at_the_batch_size_it_started_with(carved, tmp_path, mo
     """The batch size is kept in the sampling folder: a run resumed on another machine (or with less GPU memory
     free) samples its remaining batches at the size, and so under the seeds, of its first ones."""
     import moeify.tuning.data as tune_data
-    from moeify.parallel import Parallel
+    from moeify.training.parallel import Parallel
     from moeify.tuning.data import sampled_windows
 
     dense, _ = carved
@@ -305,7 +305,7 @@ def test_teacher_pass_frees_the_teachers_ffns_and_trains_what_the_teacher_in_the
     windows) before tuning and frees the teacher's carved FFNs: the loop never runs the teacher (a freed FFN raises
     if called). The targets are the values the teacher in the loop computes (float32, the same batching), so the
     output is bit-identical to the run with the teacher inside the loop."""
-    import moeify.distill as distill_mod
+    import moeify.training.distill as distill_mod
     from moeify.tuning.teacher import _FreedFFN
 
     dense, carve = carved

@@ -21,7 +21,7 @@ SEQ = 64  # the carve's windows
 
 
 def _gpu_with(monkeypatch, have: float) -> None:
-    import moeify.memory as memory
+    import moeify.maths.memory as memory
 
     monkeypatch.setattr(memory, "device_memory", lambda dev: int(have) if dev.startswith("cuda") else 24 << 30)
 
@@ -44,7 +44,7 @@ def test_a_gpu_step_is_the_tokens_over_256_and_its_forward_as_large_as_memory_al
     assert step_size(dense, bo, TuneOptions(tokens=1 << 20), SEQ, "cuda", world=2) == (4096, 4096 // SEQ // 2)
     assert step_size(dense, bo, TuneOptions(tokens=1 << 20, step_tokens=2048), SEQ, "cuda") == (2048, 32)
 
-    from moeify.distill import DistillSettings
+    from moeify.training.distill import DistillSettings
     from moeify.tuning.sizing import GPU_STEP_SHARE, predicted_memory
 
     opts = TuneOptions(tokens=16 << 20)
@@ -60,7 +60,7 @@ def test_one_large_step_trains_what_accumulated_micro_batches_train():
     1e-5 of their size) and, over a run of 6 such steps, the same weights (to 1e-4 of what tuning moved them)."""
     from test_tune import _tiny_student
 
-    from moeify.distill import DistillSettings, accumulate_kl, distill
+    from moeify.training.distill import DistillSettings, accumulate_kl, distill
 
     teacher, student, ids = _tiny_student()
     head = student.lm_head.weight
@@ -100,7 +100,7 @@ def test_grouped_and_masked_kernels_train_alike_under_bf16():
     what tuning moved them, against 27%: the kernels differ by bf16 rounding, carried by Adam's steps)."""
     from test_tune import _tiny_student
 
-    from moeify.distill import DistillSettings, distill
+    from moeify.training.distill import DistillSettings, distill
 
     runs = {}
     for kernel, autocast in (("grouped", "bf16"), ("masked", "bf16"), ("masked", "off")):
@@ -187,7 +187,7 @@ def test_a_padded_last_sampling_batch_keeps_its_rows_and_shape(carved):
     decoding then sees one shape) and only its own rows come back, the windows and hidden states alike."""
     from transformers import AutoModelForCausalLM
 
-    from moeify.sampling import sample_text
+    from moeify.training.sampling import sample_text
 
     dense, _ = carved
     model = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
@@ -212,7 +212,7 @@ def test_the_compiled_step_trains_what_the_eager_one_trains(monkeypatch, kernel,
     bf16, both traced."""
     from test_tune import _tiny_student
 
-    from moeify.distill import DistillSettings, distill
+    from moeify.training.distill import DistillSettings, distill
 
     monkeypatch.setenv("MOEIFY_COMPILE_BACKEND", "aot_eager")
     runs = {}
@@ -241,7 +241,7 @@ def test_the_step_compiles_on_a_gpu_by_default_and_the_environment_overrides(mon
     """compile_model None: compiled where the student is on one GPU, unsharded (measured faster there: BENCHMARKS.md
     "GPU"), eager on a CPU or under FSDP2; MOEIFY_COMPILE_MODEL=0 / 1 overrides either way, MOEIFY_COMPILE=0 turns it
     off, and a setting given explicitly is kept."""
-    from moeify.distill import DistillSettings, wants_compile
+    from moeify.training.distill import DistillSettings, wants_compile
 
     for name in ("MOEIFY_COMPILE_MODEL", "MOEIFY_COMPILE"):
         monkeypatch.delenv(name, raising=False)

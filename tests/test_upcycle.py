@@ -11,10 +11,10 @@ from conftest import build_dense, load, max_logit_diff, read_json, rewrite
 from typer.testing import CliRunner
 
 import moeify
-from moeify.cli import app
+from moeify.cli.app import app
 from moeify.errors import MoeifyError
-from moeify.upcycling import UpcycleSettings, plan_upcycle, run_upcycle
-from moeify.verify import verify_checkpoint
+from moeify.upcycling.upcycle import UpcycleSettings, plan_upcycle, run_upcycle
+from moeify.evaluation.verify import verify_checkpoint
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
@@ -97,7 +97,7 @@ def test_drop_upcycling_breaks_exactness_on_purpose_and_says_by_how_much(tmp_pat
 def test_a_large_output_is_checked_from_regenerated_experts_with_the_same_result(tmp_path, monkeypatch):
     src = build_dense(tmp_path / "dense")
     read = upcycle(src, tmp_path / "read", copies=4, top_k=2, symmetry="noise")["check"]
-    monkeypatch.setattr("moeify.upcycling.READ_BACK_BYTES", 0)
+    monkeypatch.setattr("moeify.upcycling.upcycle.READ_BACK_BYTES", 0)
     regen = upcycle(src, tmp_path / "regen", copies=4, top_k=2, symmetry="noise")["check"]
     assert read["experts_read_back"] and not regen["experts_read_back"]
     assert regen["kl_to_source"] == pytest.approx(read["kl_to_source"], rel=1e-5)
@@ -109,8 +109,8 @@ def test_the_check_holds_one_expert_at_a_time(tmp_path):
     widths, E8: BENCHMARKS "Speed and memory")."""
     import weakref
 
-    from moeify.checkpoint import CheckpointReader
-    from moeify.layerwise import moe_stack, stream_hidden
+    from moeify.formats.checkpoint import CheckpointReader
+    from moeify.evaluation.layerwise import moe_stack, stream_hidden
 
     src = build_dense(tmp_path / "dense")
     upcycle(src, tmp_path / "moe", copies=4, top_k=2)
@@ -137,7 +137,7 @@ def test_the_check_holds_one_expert_at_a_time(tmp_path):
 
 def test_a_construction_that_is_not_exact_is_refused_and_nothing_is_written(tmp_path, monkeypatch):
     src = build_dense(tmp_path / "dense")
-    import moeify.upcycling as up
+    import moeify.upcycling.upcycle as up
 
     real = up.copy_expert
     monkeypatch.setattr(up, "copy_expert", lambda g, u, d, idx, factor: real(g, u, d, idx, 1.5))
@@ -148,7 +148,7 @@ def test_a_construction_that_is_not_exact_is_refused_and_nothing_is_written(tmp_
 
 def test_an_interrupted_upcycle_leaves_nothing_behind(tmp_path, monkeypatch):
     src = build_dense(tmp_path / "dense")
-    import moeify.upcycling as up
+    import moeify.upcycling.upcycle as up
 
     real, seen = up.layer_experts, []
 

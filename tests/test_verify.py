@@ -11,10 +11,10 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import build_dense, edit_json, rewrite
-from moeify.cli import app
-from moeify.config import build_config
-from moeify.conversion import plan_conversion, run_conversion
-from moeify.verify import verify_checkpoint
+from moeify.cli.app import app
+from moeify.formats.config import build_config
+from moeify.carving.conversion import plan_conversion, run_conversion
+from moeify.evaluation.verify import verify_checkpoint
 
 EXPERT = "model.layers.1.block_sparse_moe.experts.2."
 

@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import build_dense, built_once
-from moeify.config import build_config
-from moeify.conversion import plan_conversion, run_conversion
+from moeify.formats.config import build_config
+from moeify.carving.conversion import plan_conversion, run_conversion
 from moeify.tuning import TuneOptions
 from test_calibrate import CALIB
 

@@ -4,7 +4,7 @@ The stage distils a moeify output (tuned or not) towards its dense source and wr
 as convert writes its output. Everything the student needs is read from OUT (the expert tensors, routers and each
 layer's neuron permutation in report.json) and SRC (the teacher), so an output can be tuned further at any later
 time, and `convert` runs the same code on the carve it has just written. The step itself (the masked MoE student,
-the KL, the optimizer loop) is moeify.distill: tensors in, tensors out.
+the KL, the optimizer loop) is moeify.training.distill: tensors in, tensors out.
 
 One job a module, in the order a run meets them (each imports only those below it; pyproject.toml's import-linter
 contracts check it):

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ..errors import MoeifyError
-from ..numerics import release_memory
+from ..maths.numerics import release_memory
 from .options import Progress, TuneOptions
 from .output import BaseOutput
 from .state import _atomic_save
@@ -28,12 +28,12 @@ GPU_SAMPLE_SHARE = 0.5  # of the GPU memory free when sampling starts (the rest:
 
 def sample_batch_for(teacher, seq: int, n_windows: int, par=None) -> int:
     """Windows sampled at once: SAMPLE_BATCH on a CPU (compute-bound: a larger batch costs as much more time a
-    step); on a GPU as many as GPU_SAMPLE_SHARE of its free memory holds (moeify.memory's bytes a window), between
+    step); on a GPU as many as GPU_SAMPLE_SHARE of its free memory holds (moeify.maths.memory's bytes a window), between
     SAMPLE_BATCH (what the memory check before the run counted) and GPU_SAMPLE_BATCH, and no more than the run
     samples; across processes the smallest rank's (each samples whole batches of the same size)."""
-    from ..families import attention_shape
-    from ..memory import sampling_bytes_per_window
-    from ..parallel import Parallel
+    from ..formats.families import attention_shape
+    from ..maths.memory import sampling_bytes_per_window
+    from ..training.parallel import Parallel
 
     dev = next(teacher.parameters()).device
     if dev.type != "cuda":
@@ -54,7 +54,7 @@ def gpu_sample_batch(free_bytes: int, window_bytes: int, n_windows: int) -> int:
 def text_sources(base: BaseOutput, opts: TuneOptions) -> list[tuple[str, list[str], int]]:
     """(name, files, windows the carve calibrated on) of each real text: the output's calibration text (or
     --calib), --tune-text, and the bundled broad sample unless already among them."""
-    from ..config import BUNDLED_CALIB
+    from ..formats.config import BUNDLED_CALIB
 
     calib = list(opts.calib) or list(base.cfg.calib)
     tune_text = list(opts.tune_text) if (opts.calib or opts.tune_text) else list(base.cfg.tune_text)
@@ -73,7 +73,7 @@ def text_sources(base: BaseOutput, opts: TuneOptions) -> list[tuple[str, list[st
 
 def real_windows(src_path: Path, sources, seq: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Every window of the real texts; the last windows of each (after those the carve calibrated on) held out."""
-    from ..calibrate import text_windows
+    from ..formats.text import text_windows
 
     train, held, text = [], [], {}
     for name, files, used in sources:
@@ -97,8 +97,8 @@ def sampled_windows(teacher, real: torch.Tensor, n_windows: int, seed: int, fold
     computes the real windows' targets (teacher_pass) when tuning runs under it: 20% less time a batch on an
     AVX512-BF16 CPU, and its kept targets are as close to a float32 forward as the real windows' (BENCHMARKS.md).
     keep_hidden False: only the windows (the teacher runs in the tuning loop: one GPU)."""
-    from ..sampling import sample_text
-    from ..parallel import Parallel
+    from ..training.sampling import sample_text
+    from ..training.parallel import Parallel
 
     par = par or Parallel()
     seq = real.shape[1]
@@ -150,7 +150,7 @@ def sampled_windows(teacher, real: torch.Tensor, n_windows: int, seed: int, fold
 
 
 class TeacherTargets:
-    """targets(i) for moeify.distill.distill: the teacher's final hidden states of training window i where the
+    """targets(i) for moeify.training.distill.distill: the teacher's final hidden states of training window i where the
     sampling kept them (the sampled windows, read from the batch files on demand), None for the real text."""
 
     def __init__(self, folder: Path, first: int, skip: int, batch: int):
@@ -167,8 +167,8 @@ class TeacherTargets:
 
 
 def drawn_windows(n_train: int, seed: int, per_step: int, steps: int) -> torch.Tensor:
-    """The training windows a run draws (moeify.distill.WindowStream with the run's seed), sorted, each once."""
-    from ..distill import WindowStream
+    """The training windows a run draws (moeify.training.distill.WindowStream with the run's seed), sorted, each once."""
+    from ..training.distill import WindowStream
 
     return torch.unique(WindowStream(torch.empty(n_train, 0), seed).take_indices(per_step * steps))
 
@@ -182,7 +182,7 @@ def tuning_data(root: Path, src_path: Path, base: BaseOutput, opts: TuneOptions,
     real: real_windows' answer when the caller has read the texts already (to refuse bad ones before any work).
     keep_hidden: keep the sampled windows' final hidden states (False: the teacher runs in the loop on them).
     Returns (train, held out, description, the teacher's targets kept from sampling, or None)."""
-    from ..parallel import Parallel
+    from ..training.parallel import Parallel
 
     par = par or Parallel()
     f = root / "data.safetensors"

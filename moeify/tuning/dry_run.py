@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import CheckpointReader
-from ..memory import device_memory
-from ..numerics import release_memory, resolve_device
+from ..formats.checkpoint import CheckpointReader
+from ..maths.memory import device_memory
+from ..maths.numerics import release_memory, resolve_device
 from .data import SAMPLE_BATCH, drawn_windows, real_windows, sample_batch_for, text_sources
 from .options import TuneOptions
 from .run import check_run
@@ -29,11 +29,11 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
     Offload (FSDP2 CPU offload of the student's state) as the run would have it: given, or chosen by the memory
     model where the GPU is too small otherwise; a run that fits nowhere here is refused before anything loads, as
     the run itself would be. Writes nothing. Returns the measured rates, the estimated time of the whole run and the
-    memory model's prediction (moeify.memory)."""
-    from ..distill import DistillSettings, distill, final_hidden
-    from ..numerics import tuning_autocast
-    from ..sampling import sample_text, sampling_seconds_per_token
-    from ..parallel import Parallel
+    memory model's prediction (moeify.maths.memory)."""
+    from ..training.distill import DistillSettings, distill, final_hidden
+    from ..maths.numerics import tuning_autocast
+    from ..training.sampling import sample_text, sampling_seconds_per_token
+    from ..training.parallel import Parallel
 
     src, out = Path(src), Path(out)
     run = check_run(src, out, opts, resume=resume, restart=True, base=None, given=None, world=1)
@@ -72,7 +72,7 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
         release_memory()
     par = Parallel(device=dev)
     if offload:
-        from ..parallel import with_offload
+        from ..training.parallel import with_offload
 
         par = with_offload(par)
     stamps = []

@@ -37,9 +37,9 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import CheckpointReader
+from ..formats.checkpoint import CheckpointReader
 from ..errors import MoeifyError
-from ..writer import (ShardLayout, ShardWriter, check_free_space, check_written, commit_output, output_errors,
+from ..formats.writer import (ShardLayout, ShardWriter, check_free_space, check_written, commit_output, output_errors,
                       prepare_output)
 from .lm_options import HOLD_OUT, TrainOptions, balance, is_trainable_output, load_summary, moe_shape
 from .lm_weights import planned, write_weights
@@ -61,7 +61,7 @@ from .state import (
 def _windows(out: Path, opts: TrainOptions, max_len: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Every window of each text file; the last ones of each file held out (a twentieth, at most HOLD_OUT in all), so
     a mix of texts is judged on every one of them."""
-    from ..calibrate import text_windows
+    from ..formats.text import text_windows
 
     seq = min(opts.seq_len, max_len)
     per_file = [text_windows(out, [f], seq) for f in opts.text]
@@ -111,8 +111,8 @@ def train_output(out: str | Path, opts: TrainOptions | None = None, *, resume: b
     accelerate launch) the model is sharded across the processes (moeify.tuning.lm_loop); offload: its weights,
     gradients and AdamW state in host memory (FSDP2 CPU offload). timeout: across processes, the seconds a rank
     waits for the others (moeify.parallel.collective_timeout)."""
-    from ..numerics import map_large_allocations, resolve_device
-    from ..parallel import setup
+    from ..maths.numerics import map_large_allocations, resolve_device
+    from ..training.parallel import setup
 
     out = Path(out)
     par = setup(resolve_device(device), timeout)
@@ -172,7 +172,7 @@ def _check(out: Path, root: Path, par, opts: TrainOptions | None, resume: bool, 
 def check_memory(out: Path, config: dict, opts: TrainOptions, seq: int, par, offload: bool) -> None:
     """Refuse a run whose predicted peak per process (moeify.memory.train_memory, from OUT's config) exceeds the
     device's memory, naming how many processes would hold it."""
-    from ..memory import PROCESS_COUNTS, device_memory
+    from ..maths.memory import PROCESS_COUNTS, device_memory
 
     have = device_memory(par.device)
     mem = predicted_memory(config, opts, seq, par.device, par.world, offload)
@@ -189,8 +189,8 @@ def check_memory(out: Path, config: dict, opts: TrainOptions, seq: int, par, off
 
 def predicted_memory(config: dict, opts: TrainOptions, seq: int, dev: str, world: int = 1, offload: bool = False):
     """moeify.memory.train_memory of this run (OUT's config, the options, the windows a forward on each process)."""
-    from ..memory import train_memory
-    from ..numerics import tuning_autocast
+    from ..maths.memory import train_memory
+    from ..maths.numerics import tuning_autocast
 
     per_rank = max(1, opts.step_tokens // seq // world)
     return train_memory(**moe_shape(config), seq=seq, windows=per_rank if dev.startswith("cuda") else 1,
@@ -216,7 +216,7 @@ def _begin(root: Path, out: Path, opts: TrainOptions, resume: bool, restart: boo
 def _train_across(out: Path, par, opts: TrainOptions | None, *, resume: bool, restart: bool, save_every: float,
                   progress, notify, given: dict | None, memory_check: bool, offload: bool) -> dict:
     """train_output's run on every rank (one, or each of a torchrun's): its checks agreed, rank 0 writing."""
-    from ..numerics import tuning_autocast
+    from ..maths.numerics import tuning_autocast
     from .lm_loop import load_model, train_model
 
     root = state_dir(out)
@@ -224,7 +224,7 @@ def _train_across(out: Path, par, opts: TrainOptions | None, *, resume: bool, re
                                                       offload), "checking the inputs")
     par.agree(lambda: par.main and _begin(root, out, opts, resume, restart, par.world), "beginning the state directory")
     if offload:
-        from ..parallel import with_offload
+        from ..training.parallel import with_offload
 
         par = with_offload(par)
     report = json.loads((out / "report.json").read_text())
@@ -269,7 +269,7 @@ def _write(out: Path, root: Path, model, report: dict, info: dict, opts: TrainOp
 
 def _write_main(out: Path, model, report: dict, order: list, dtype: torch.dtype, par) -> None:
     """Rank 0's part of _write: OUT.moeify-partial written whole, then put in OUT's place."""
-    from ..card import write as write_card
+    from ..formats.card import write as write_card
 
     runs = report["training"]["runs"]
     tmp = prepare_output(out, overwrite=True)

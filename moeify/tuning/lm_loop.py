@@ -1,5 +1,5 @@
 """The loop of a next-token training run (moeify.tuning.lm runs it): the output's own transformers model, whole in
-one process or sharded by FSDP2 (moeify.parallel) across processes or for offload, AdamW on what trains, each step's
+one process or sharded by FSDP2 (moeify.training.parallel) across processes or for offload, AdamW on what trains, each step's
 windows split across the ranks (window r, r + G, ... to rank r: the gradient FSDP2 averages is the one-process
 gradient), the loss and the expert load summed over every rank's tokens, the state saved and resumed through
 TuningState (moeify.tuning.state).
@@ -37,7 +37,7 @@ def _selected(name: str, opts: TrainOptions) -> bool:
 
 def _base_lr(p: torch.Tensor, rel: float) -> float:
     """rel × the tensor's RMS; a tensor that starts at zero steps by rel / sqrt(fan-in) (a standard init's scale)."""
-    from ..parallel import full
+    from ..training.parallel import full
 
     rms = full(p.detach()).float().pow(2).mean().sqrt().item()
     return rel * (rms if rms > 0 else p.shape[-1] ** -0.5)
@@ -83,9 +83,9 @@ def train_step(model, windows: torch.Tensor, micro: int, per_rank: int, coef: fl
 def train_model(model, opts: TrainOptions, train: torch.Tensor, held: torch.Tensor, seq: int, dev: str,
                 state: TuningState, progress: Progress | None, par, bf16: bool) -> dict:
     """The run's steps (resumed from state's last snapshot when there is one); returns its record for report.json."""
-    from ..distill import Pending, WindowStream
-    from ..numerics import tuning_autocast
-    from ..parallel import assign, full, like
+    from ..training.distill import Pending, WindowStream
+    from ..maths.numerics import tuning_autocast
+    from ..training.parallel import assign, full, like
 
     n, k = _counts(model.config)
     coef = opts.aux_loss_coef if opts.aux_loss_coef is not None else float(

@@ -70,7 +70,7 @@ def _counts(config) -> tuple[int, int]:
 
 
 def moe_shape(config: dict) -> dict:
-    """The shape moeify.memory.train_memory takes, from a Mixtral / Qwen2-MoE / Qwen3-MoE config.json."""
+    """The shape moeify.maths.memory.train_memory takes, from a Mixtral / Qwen2-MoE / Qwen3-MoE config.json."""
     h, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     experts = config.get("num_local_experts") or config.get("num_experts")
     return {"hidden": h, "n_layers": int(config["num_hidden_layers"]), "heads": heads,

@@ -1,7 +1,7 @@
 """The weights of a next-token training run (moeify.tuning.lm) read from OUT and written back, a tensor at a time.
 
 Reading: the output's transformers model is built on the meta device, sharded by FSDP2 there when the run is
-(moeify.parallel.Parallel.shard: each decoder layer a group, then the rest), and only then given memory: each rank
+(moeify.training.parallel.Parallel.shard: each decoder layer a group, then the rest), and only then given memory: each rank
 reads from OUT's safetensors only its own rows of every sharded parameter (CheckpointReader.get_rows, plain reads:
 no memory-mapped file whose touched pages would count in the process's memory), one process every parameter. No
 process holds the whole model unless it trains it whole; transformers' from_pretrained would load it whole on every
@@ -14,7 +14,7 @@ down_proj`) holds one tensor per expert and projection, as transformers' own con
 (transformers/conversion_mapping.py: "mixtral", "qwen2_moe"). A rank's rows of a fused parameter are whole experts.
 
 Writing: every parameter gathered whole in turn (a collective: every rank calls it, in the same order), split into
-the checkpoint's tensors on rank 0 and streamed to the output files in OUT's dtype and names (moeify.writer): the
+the checkpoint's tensors on rank 0 and streamed to the output files in OUT's dtype and names (moeify.formats.writer): the
 process writing holds one parameter whole at a time (one layer's experts), never the whole model.
 """
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import CheckpointReader, TensorInfo
+from ..formats.checkpoint import CheckpointReader, TensorInfo
 from ..errors import MoeifyError
 
 _EXPERT_NAMES = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))  # Mixtral's; Qwen2/3-MoE's
@@ -129,7 +129,7 @@ def planned(model, base: dict[str, TensorInfo]) -> list[TensorInfo]:
 def write_weights(model, writer, known, dtype: torch.dtype, par) -> None:
     """Every parameter gathered whole in turn (every rank calls it), written by rank 0 (`writer`, a ShardWriter
     planned by `planned`; None elsewhere) as the checkpoint's tensors (`known`: its names) in OUT's dtype."""
-    from ..parallel import full
+    from ..training.parallel import full
 
     for name, p in model.named_parameters():
         whole = full(p.detach())

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..config import ConvertConfig
+from ..formats.config import ConvertConfig
 from ..errors import MoeifyError
 
 SCHEDULES = ("continue", "restart")
@@ -20,7 +20,7 @@ class TuneOptions:
     """What a tuning run is asked to do (`moeify tune` flags; `convert` derives them from its --tune-* flags)."""
 
     tokens: int  # training tokens of this run (its warm-up and cosine: see schedule)
-    lr: float = 0.003  # Adam step relative to each expert tensor's RMS (moeify.distill.DistillSettings.lr)
+    lr: float = 0.003  # Adam step relative to each expert tensor's RMS (moeify.training.distill.DistillSettings.lr)
     generated: float = 0.5  # share of the tokens the dense model samples itself
     calib: tuple[str, ...] = ()  # real tuning text; () = the output's own calibration text (its moeify.toml)
     tune_text: tuple[str, ...] = ()  # more real text; () with calib () = the output's own --tune-text

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import PARTIAL_SUFFIX, CheckpointReader
-from ..card import copy_licence, write as write_card
-from ..writer import ShardLayout, ShardWriter
-from ..config import ConvertConfig, build_config, config_to_toml
+from ..formats.checkpoint import PARTIAL_SUFFIX, CheckpointReader
+from ..formats.card import copy_licence, write as write_card
+from ..formats.writer import ShardLayout, ShardWriter
+from ..formats.config import ConvertConfig, build_config, config_to_toml
 from ..errors import MoeifyError
-from ..families import BIAS_TENSORS, TOKENIZER_FILES, SourceModel, attention_tensors, ffn_tensor_names
-from ..partition import Partition
+from ..formats.families import BIAS_TENSORS, TOKENIZER_FILES, SourceModel, attention_tensors, ffn_tensor_names
+from ..maths.partition import Partition
 
 @dataclass
 class BaseOutput:
@@ -141,8 +141,8 @@ def write_tuned(base: BaseOutput, reader: CheckpointReader, student, tmp: Path, 
     """The tuned output in `tmp`: the base's tensors, with every carved layer's experts and router (and, when
     trained, attention and norms) taken from the student, in the base's shard layout; config, tokenizer, and the
     base's report.json / moeify.toml with the tuning history."""
-    from ..experts import ffn_output_tensors
-    from ..moe_block import MaskedMoE
+    from ..formats.experts import ffn_output_tensors
+    from ..maths.moe_block import MaskedMoE
 
     cfg, fmt = base.cfg, base.fmt
     layout = _base_layout(reader)
@@ -193,7 +193,7 @@ def _check_written(tmp: Path, reader: CheckpointReader) -> None:
     written = CheckpointReader(tmp).tensors
     if {n: (t.shape, t.dtype) for n, t in written.items()} != {n: (t.shape, t.dtype) for n, t in reader.tensors.items()}:
         raise RuntimeError(f"output check failed: the tuned tensors in {tmp} differ in names, shapes or dtypes from the base")
-    from ..verify import check_structure
+    from ..evaluation.verify import check_structure
 
     problems, _, _ = check_structure(tmp)
     if problems:

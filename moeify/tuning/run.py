@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..checkpoint import CheckpointReader
-from ..writer import check_free_space, commit_output, output_errors, prepare_output
+from ..formats.checkpoint import CheckpointReader
+from ..formats.writer import check_free_space, commit_output, output_errors, prepare_output
 from ..errors import MoeifyError
-from ..families import SourceModel, load_source
-from ..numerics import release_memory, resolve_device
+from ..formats.families import SourceModel, load_source
+from ..maths.numerics import release_memory, resolve_device
 from .data import SAMPLE_BATCH, real_windows, text_sources, tuning_data
 from .options import Progress, TuneOptions
 from .output import BaseOutput, _check_written, _updated_report, check_source, read_output, write_tuned
@@ -157,7 +157,7 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
 
     Across processes every rank checks the inputs and any rank's refusal is every rank's; rank 0 decides what
     depends on the device or on files (offload, the step, the teacher's place, the state found) and shares it."""
-    from ..parallel import setup
+    from ..training.parallel import setup
 
     src, out = Path(src), Path(out)
     root = state_dir(out)
@@ -224,8 +224,8 @@ def _tune(src: Path, out: Path, root: Path, run: CheckedRun, par, *, seed: int, 
           progress: Progress | None, notify: Callable[[str], None] | None, offload: bool, micro_windows: int,
           precompute_targets: bool) -> dict:
     """The run's work, once its inputs are checked and its state directory begun (tune_output)."""
-    from ..distill import DistillSettings, distill
-    from ..numerics import tuning_autocast
+    from ..training.distill import DistillSettings, distill
+    from ..maths.numerics import tuning_autocast
 
     bo, opts, seq, dev = run.bo, run.opts, run.seq, par.device
     if par.on and not precompute_targets:
@@ -250,7 +250,7 @@ def _tune(src: Path, out: Path, root: Path, run: CheckedRun, par, *, seed: int, 
         release_memory()
     reader = CheckpointReader(run.base)
     if offload:
-        from ..parallel import with_offload
+        from ..training.parallel import with_offload
 
         par = with_offload(par)
     try:

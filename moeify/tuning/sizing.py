@@ -1,4 +1,4 @@
-"""Memory: whether a run fits the device (moeify.memory's model of it, said before anything loads), whether the
+"""Memory: whether a run fits the device (moeify.maths.memory's model of it, said before anything loads), whether the
 student's state is offloaded to host memory, how many tokens a step takes and how many windows a forward, and the
 peak a run measured."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..memory import device_memory
+from ..maths.memory import device_memory
 from .data import SAMPLE_BATCH
 from .options import TuneOptions
 from .output import BaseOutput
@@ -18,8 +18,8 @@ def fit_memory(src: Path, bo: BaseOutput, opts: TuneOptions, par, offload: bool 
                notify=None) -> bool:
     """Whether the run offloads (given, or where the memory model says the GPU needs it), after refusing a run that
     the model says fits nowhere here (unless memory_check is off). The run and its dry run both decide so."""
-    from ..families import load_source
-    from ..memory import check_fits, choose_offload
+    from ..formats.families import load_source
+    from ..maths.memory import check_fits, choose_offload
 
     seq = int(bo.report.get("calibration", {}).get("seq_len") or bo.cfg.calib_seq_len)
     dev, have = par.device, device_memory(par.device)
@@ -38,7 +38,7 @@ def fit_memory(src: Path, bo: BaseOutput, opts: TuneOptions, par, offload: bool 
 REFERENCE_STEP = 1024  # tokens a step on a CPU (where it is at its arithmetic limit at any batch), and the least
 MIN_STEPS = 256  # a GPU run's steps at least: its warm-up and cosine stay resolved at any budget (1M tokens: 4,096
 # a step; 16M: 65,536)
-MAX_STEP = 65536  # tokens a step at most: 64x the reference, its step sizes x 8 by the square-root rule (moeify.distill
+MAX_STEP = 65536  # tokens a step at most: 64x the reference, its step sizes x 8 by the square-root rule (moeify.training.distill
 # .lr_scale), about as far as that rule has been checked (Malladi et al. 2022)
 MAX_MICRO = 512  # windows a forward + backward at most
 GPU_STEP_SHARE = 0.8  # of the GPU's memory a step's micro-batch may take by the memory model (it measured 6% low)
@@ -49,7 +49,7 @@ def teacher_inline(src: Path, bo: BaseOutput, opts: TuneOptions, seq: int, dev: 
     """Whether a new run keeps the teacher in the loop: on one GPU, not offloaded (offloading means memory is
     short), where the memory model says the run fits with the teacher's FFNs kept (in bf16); elsewhere the teacher
     pass computes the targets first and the FFNs are freed."""
-    from ..memory import device_memory
+    from ..maths.memory import device_memory
 
     if not dev.startswith("cuda") or world > 1 or offload:
         return False
@@ -64,8 +64,8 @@ def step_size(src: Path, bo: BaseOutput, opts: TuneOptions, seq: int, dev: str, 
     bound at small batches, so as many windows a forward as GPU_STEP_SHARE of its memory holds by the memory model
     (up to MAX_MICRO), and --step-tokens or the run's tokens over MIN_STEPS (at least 1,024, at most MAX_STEP) a
     step, a whole number of those forwards on every process."""
-    from ..distill import DistillSettings
-    from ..memory import device_memory
+    from ..training.distill import DistillSettings
+    from ..maths.memory import device_memory
 
     windows = max(1, (opts.step_tokens or REFERENCE_STEP) // seq)
     if not dev.startswith("cuda"):
@@ -89,13 +89,13 @@ def step_size(src: Path, bo: BaseOutput, opts: TuneOptions, seq: int, dev: str, 
 
 def predicted_memory(src: Path, bo: BaseOutput, opts: TuneOptions, seq: int, dev: str, settings=None, world: int = 1,
                      offload: bool = False, sample_batch: int = SAMPLE_BATCH, inline: bool = False):
-    """moeify.memory's prediction for this run (the config of SRC, the layout of the output; sample_batch: the
+    """moeify.maths.memory's prediction for this run (the config of SRC, the layout of the output; sample_batch: the
     windows sampled at once, SAMPLE_BATCH where the run has not chosen yet, the least it samples; inline: the
     teacher in the loop, its FFNs kept)."""
-    from ..distill import DistillSettings
-    from ..numerics import tuning_autocast
-    from ..families import load_source
-    from ..memory import source_tuning_memory
+    from ..training.distill import DistillSettings
+    from ..maths.numerics import tuning_autocast
+    from ..formats.families import load_source
+    from ..maths.memory import source_tuning_memory
 
     settings = settings or DistillSettings(tokens=opts.tokens)
     return source_tuning_memory(load_source(src), bo.cfg.experts, len(bo.cfg.dense_layers), seq=seq,

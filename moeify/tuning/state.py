@@ -38,8 +38,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ..checkpoint import INDEX_NAME, TensorInfo, hash_files, weights_fingerprint
-from ..writer import ShardLayout, ShardWriter
+from ..formats.checkpoint import INDEX_NAME, TensorInfo, hash_files, weights_fingerprint
+from ..formats.writer import ShardLayout, ShardWriter
 from ..errors import MoeifyError
 from .options import TuneOptions, TuningInterrupted
 
@@ -88,10 +88,10 @@ def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 
 def _stream_save(tensors: dict, path: Path, write: bool) -> None:
-    """Save a state's tensors (moeify.distill.Pending ones produced one at a time, in order, on every rank) to
+    """Save a state's tensors (moeify.training.distill.Pending ones produced one at a time, in order, on every rank) to
     `path` atomically, streaming: the writer holds one whole tensor at a time, never the state. write False: only
     take part in the gathering."""
-    from ..distill import Pending
+    from ..training.distill import Pending
 
     writer = tmp = None
     if write:
@@ -144,10 +144,10 @@ class SavedTensors:
 
 
 class TuningState:
-    """The state directory's snapshots: moeify.distill.distill's `state` (keep / kept / checkpoint)."""
+    """The state directory's snapshots: moeify.training.distill.distill's `state` (keep / kept / checkpoint)."""
 
     def __init__(self, root: Path, save_every: float = SAVE_EVERY, par=None):
-        from ..parallel import Parallel
+        from ..training.parallel import Parallel
 
         self.root, self.save_every, self.par = Path(root), save_every, par or Parallel()
         self.stop_requested = False
@@ -230,7 +230,7 @@ def _stop_on_signal(state: TuningState, notify: Callable[[str], None] | None):
 
 
 def _lock(root: Path) -> None:
-    from ..writer import _pid_alive
+    from ..formats.writer import _pid_alive
 
     f = root / "lock.json"
     try:
@@ -257,7 +257,7 @@ def describe_state(root: Path) -> str:
 def resume_command(src: Path, out: Path) -> str:
     """The command that continues this run: a source from the Hub cache by its id at the commit the run began from
     (what the user typed, and the same weights), not by the cache's snapshot folder."""
-    from ..hub import hub_origin
+    from ..formats.hub import hub_origin
 
     origin = hub_origin(src)
     return f"moeify tune {f'{origin[0]}@{origin[1]}' if origin else src} {out} --resume"

@@ -10,9 +10,9 @@ from typing import Callable
 
 import torch
 
-from ..checkpoint import CheckpointReader
-from ..families import attention_tensors, ffn_tensor_names
-from ..numerics import release_memory
+from ..formats.checkpoint import CheckpointReader
+from ..formats.families import attention_tensors, ffn_tensor_names
+from ..maths.numerics import release_memory
 from .output import BaseOutput, _partition
 
 def _shallow(module: torch.nn.Module) -> torch.nn.Module:
@@ -41,7 +41,7 @@ def _own_attention(layer, i: int, config, device: str) -> None:
     """Give the student's decoder layer its own attention and norms, copies of the teacher's (which the layer holds
     until now). A sharded attention (load_teacher across processes) is gathered into a fresh module: the copy is
     then sharded with the student's layer."""
-    from ..parallel import full
+    from ..training.parallel import full
 
     for name in ("input_layernorm", "post_attention_layernorm"):
         setattr(layer, name, copy.deepcopy(getattr(layer, name)))
@@ -69,8 +69,8 @@ def build_student(teacher, base: BaseOutput, reader: CheckpointReader, device: s
     shard_moe / shard_layer (a sharded run): called on each MaskedMoE as it is built, and on each decoder layer with
     its own attention at the end (its MaskedMoE already a group). Returns (student, the layers whose attention an
     earlier run tuned)."""
-    from ..experts import unpermute_ffn
-    from ..moe_block import MaskedMoE
+    from ..formats.experts import unpermute_ffn
+    from ..maths.moe_block import MaskedMoE
 
     cfg, fmt = base.cfg, base.fmt
     student = _shallow(teacher)
@@ -116,7 +116,7 @@ def gather_student(student, teacher, keep: bool = True) -> None:
     not write the output): the gathered tensors are dropped as they come."""
     from torch.distributed.tensor import DTensor
 
-    from ..parallel import full
+    from ..training.parallel import full
 
     theirs = {id(p) for p in teacher.parameters()}
     for m in student.modules():
@@ -132,7 +132,7 @@ def tuning_student(teacher, bo: BaseOutput, reader: CheckpointReader, par, train
     """The student as the run trains it: built from OUT's tensors (each MaskedMoE an FSDP2 group as it is built when
     par shards, and each decoder layer with its own attention one more), sharing the teacher's frozen modules (in
     bf16 under autocast, except a sharded teacher's, which stay as loaded)."""
-    from ..distill import share_frozen
+    from ..training.distill import share_frozen
 
     student, own_attention = build_student(
         teacher, bo, reader, par.device, train_attention,

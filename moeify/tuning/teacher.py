@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from ..checkpoint import CheckpointReader
+from ..formats.checkpoint import CheckpointReader
 from ..errors import MoeifyError
 from .data import SAMPLE_BATCH, TeacherTargets, drawn_windows
 from .options import Progress
@@ -24,14 +24,14 @@ def load_teacher(src: Path, dev: str, par=None):
 
     One process: transformers' from_pretrained. Across processes (torchrun): the teacher is sharded, never held
     whole by any process: the model is built on the meta device, every decoder layer's attention and FFN become
-    FSDP2 groups of their own (moeify.parallel.Parallel.shard_frozen: gathered for each forward, resharded after
+    FSDP2 groups of their own (moeify.training.parallel.Parallel.shard_frozen: gathered for each forward, resharded after
     it), and each rank reads from SRC's safetensors only its own rows of those weights (CheckpointReader.get_rows);
     the embeddings, norms and output head (small beside the layers; the KL reads the head whole) are read whole on
     every rank. The student shares these modules with the teacher (share_frozen), so the FSDP2 groups are the
     teacher's attention and FFN modules themselves: whoever calls them gathers them."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ..parallel import Parallel
+    from ..training.parallel import Parallel
     from .lm_weights import materialise
 
     par = par or Parallel()
@@ -79,9 +79,9 @@ def teacher_pass(root: Path, teacher, train: torch.Tensor, held: torch.Tensor, t
     reads them back), so that the tuning loop never runs the teacher: a window seen in several passes costs one
     teacher forward, and the teacher's FFNs can be freed before the student is built. Returns (the targets of
     every drawn window, the held-out windows' targets)."""
-    from ..distill import final_hidden
-    from ..numerics import tuning_autocast
-    from ..parallel import Parallel
+    from ..training.distill import final_hidden
+    from ..maths.numerics import tuning_autocast
+    from ..training.parallel import Parallel
 
     par = par or Parallel()
     folder = root / "targets"

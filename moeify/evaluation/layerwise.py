@@ -1,0 +1,260 @@
+"""Models run one decoder layer at a time: transformers' own decoder-layer classes (dense Llama / Mistral / Qwen2 /
+Qwen3, or the Mixtral / Qwen2-MoE / Qwen3-MoE an output holds) built on the meta device and loaded with one layer's
+tensors from the shards, so a 70B source and its upcycled 400B MoE can be compared on a few tokens with one layer of
+each resident. The MoE side runs the stock block: its router, top-k and (non-)renormalisation as the class computes
+them, each expert's tensors read from the files (or made) when tokens first reach it and joined as transformers fuses
+them on load, so that a layer holds one expert at a time.
+
+`stream_hidden` gives each model's final hidden states (after the final norm); `logits` and `kl_to_reference` turn
+them into what the upcycle check and `verify --against` compare, a chunk of tokens at a time.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..formats.checkpoint import CheckpointReader
+from ..formats.families import SourceModel, family_classes
+
+MOE_CLASSES = {"mixtral": ("MixtralConfig", "MixtralDecoderLayer", "MixtralRotaryEmbedding"),
+               "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeDecoderLayer", "Qwen2MoeRotaryEmbedding"),
+               "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeDecoderLayer", "Qwen3MoeRotaryEmbedding")}
+ExpertOverride = Callable[[int], "Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None"]  # by index
+
+
+@dataclass
+class LayerStack:
+    """One checkpoint as decoder layers: its transformers config, classes, reader and tensor names."""
+
+    config: object
+    layer_cls: type
+    rotary_cls: type
+    reader: CheckpointReader
+    tied: bool
+    fmt: str | None = None  # the MoE format; None for a dense source
+    n_experts: int = 0
+    expert_override: ExpertOverride | None = field(default=None, repr=False)  # layer -> [(gate, up, down)] or None
+    rounded_to: torch.dtype | None = None  # every weight rounded through this dtype first (a source held to its output)
+
+    def get(self, name: str) -> torch.Tensor:
+        t = self.reader.get(name)
+        return (t.to(self.rounded_to) if self.rounded_to is not None else t).float()
+
+    @property
+    def n_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    def layer(self, i: int) -> torch.nn.Module:
+        with torch.device("meta"):
+            layer = self.layer_cls(self.config, i)
+        keys = list(layer.state_dict())
+        fused = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"} if self.fmt is not None else set()
+        fused &= set(keys)
+        state = {k: self._tensor(i, k).float() for k in keys if k not in fused}
+        missing = layer.load_state_dict(state, assign=True, strict=False).missing_keys
+        if set(missing) != fused:
+            raise RuntimeError(f"layer {i} of {self.layer_cls.__name__}: no weights for {sorted(set(missing) - fused)}")
+        if fused:  # left unmaterialised: STORED_DTYPE_EXPERTS fetches each expert as the tokens reach it
+            layer.mlp.experts.moeify_experts = self._experts(i)
+        return layer.eval()
+
+    def _experts(self, i: int):
+        """Layer i's routed experts, (gate, up, down) by index as the checkpoint stores them: read from the files
+        when asked for (or made by expert_override), so that a layer holds the expert in use, not all of them (an
+        upcycle of Llama-3-8B into E8 would hold 2.8 GB a layer)."""
+        block = f"model.layers.{i}." + ("block_sparse_moe." if self.fmt == "mixtral" else "mlp.")
+        override = self.expert_override(i) if self.expert_override else None
+        if override is not None:
+            return override
+        names = ("w1", "w3", "w2") if self.fmt == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+        return _ReadExperts(self.reader, [tuple(f"{block}experts.{e}.{n}.weight" for n in names)
+                                          for e in range(self.n_experts)])
+
+    def _tensor(self, i: int, key: str) -> torch.Tensor:
+        p = f"model.layers.{i}."
+        if self.fmt is None or not key.startswith("mlp."):
+            return self.get(p + key)
+        block = p + ("block_sparse_moe." if self.fmt == "mixtral" else "mlp.")
+        sub = key.removeprefix("mlp.")
+        if block + sub in self.reader.tensors:  # router, shared expert, shared gate
+            return self.reader.get(block + sub)
+        return self.reader.get(p + key)  # a dense layer of a Qwen2-MoE / Qwen3-MoE (mlp_only_layers)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of ids, float32 (the matrix is read as stored, never whole in float32)."""
+        w = self.reader.get("model.embed_tokens.weight")
+        rows = w[ids]
+        return (rows.to(self.rounded_to) if self.rounded_to is not None else rows).float()
+
+    def head(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(final norm weight float32, output matrix as stored (rounded through rounded_to): `head_logits` upcasts
+        it a block of rows at a time, so a 128k-vocabulary head is never held whole in float32)."""
+        name = "model.embed_tokens.weight" if self.tied or "lm_head.weight" not in self.reader.tensors else "lm_head.weight"
+        w = self.reader.get(name)
+        return self.get("model.norm.weight"), w.to(self.rounded_to) if self.rounded_to is not None else w
+
+
+class _ReadExperts:
+    """A layer's experts as (gate, up, down) by index, each read from the files when it is asked for."""
+
+    def __init__(self, reader: CheckpointReader, names: list[tuple[str, str, str]]):
+        self.reader, self.names = reader, names
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return tuple(self.reader.get(n) for n in self.names[e])
+
+
+def source_stack(src: SourceModel, reader: CheckpointReader, rounded_to: torch.dtype | None = None) -> LayerStack:
+    """The dense source; rounded_to: its weights rounded through the output's dtype, as the output holds them."""
+    cls, layer_cls, rotary = family_classes(src.model_type)
+    config = cls.from_dict({k: v for k, v in src.raw.items() if k != "auto_map"})
+    config._attn_implementation = "sdpa"
+    return LayerStack(config, layer_cls, rotary, reader, src.tied, rounded_to=rounded_to)
+
+
+def moe_stack(out: Path, reader: CheckpointReader, expert_override: ExpertOverride | None = None) -> LayerStack:
+    """The MoE checkpoint in `out` (config.json as written), experts from the files or from `expert_override`."""
+    import importlib
+
+    raw = json.loads((Path(out) / "config.json").read_text())
+    fmt = raw["model_type"]
+    config_name, layer_name, rotary_name = MOE_CLASSES[fmt]
+    modeling = importlib.import_module(f"transformers.models.{fmt}.modeling_{fmt}")
+    config = getattr(importlib.import_module("transformers"), config_name).from_dict(
+        {k: v for k, v in raw.items() if k != "auto_map"})
+    config._attn_implementation = "sdpa"
+    config._experts_implementation = _stored_dtype_experts()  # float32 products, experts kept as stored
+    n = raw.get("num_local_experts") or raw.get("num_experts")
+    return LayerStack(config, getattr(modeling, layer_name), getattr(modeling, rotary_name), reader,
+                      bool(config.tie_word_embeddings), fmt, int(n), expert_override)
+
+
+STORED_DTYPE_EXPERTS = "moeify_stored_dtype"
+
+
+def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' eager experts loop (the same products, in the same order), each expert's weights upcast to the
+    hidden states' dtype as it is used. A layer that LayerStack built holds no experts (`moeify_experts`: each fetched
+    as stored when a token first reaches it, freed after its product), so the streamed check of an E8 upcycle of
+    Llama-3-8B holds one expert, not a layer's 2.8 GB (bf16) or 5.6 GB (float32)."""
+    fetch = getattr(self, "moeify_experts", None)
+    final = torch.zeros_like(hidden_states)
+    mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+    for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():
+        e = int(e[0])
+        if e == self.num_experts:
+            continue
+        pos, tok = torch.where(mask[e])
+        x = hidden_states[tok]
+        if fetch is None:
+            gate_up, down = self.gate_up_proj[e], self.down_proj[e]
+        else:
+            gate, up, down = fetch[e]
+            gate_up = torch.cat([gate, up])  # transformers' fused layout: the gate rows, then the up rows
+            del gate, up
+        h = self._apply_gate(F.linear(x, gate_up.to(x.dtype)))
+        y = F.linear(h, down.to(x.dtype)) * top_k_weights[tok, pos, None]
+        final.index_add_(0, tok, y.to(final.dtype))
+        del gate_up, down  # before the next expert is fetched
+    return final
+
+
+def _stored_dtype_experts() -> str:
+    """The name of _experts_forward in transformers' experts interface (registered on first use)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(STORED_DTYPE_EXPERTS, _experts_forward)
+    return STORED_DTYPE_EXPERTS
+
+
+def causal_mask(config, h: torch.Tensor, position_ids: torch.Tensor):
+    """The config's causal (or sliding-window) mask for hidden states h, as its model builds it without a cache."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    fn = create_sliding_window_causal_mask if getattr(config, "sliding_window", None) else create_causal_mask
+    no_cache = {"cache" if "cache" in inspect.signature(fn).parameters else "past_key_values": None}  # 5.24 renamed it
+    return fn(config=config, inputs_embeds=h, attention_mask=None, position_ids=position_ids, **no_cache)
+
+
+@torch.no_grad()
+def stream_hidden(stacks: list[LayerStack], ids: torch.Tensor,
+                  progress: Callable[[str, int, int], None] | None = None) -> list[torch.Tensor]:
+    """Final hidden states (after the final norm), float32, of each stack on ids (batch, seq): layer i of every stack
+    is built, run and freed before layer i + 1; each stack uses its own config's rotary embedding and mask (so a
+    config that lost a rope or window setting shows)."""
+    position_ids = torch.arange(ids.shape[1]).unsqueeze(0)
+    hidden = [s.embed(ids) for s in stacks]
+    rotary = [s.rotary_cls(s.config) for s in stacks]
+    masks = [causal_mask(s.config, h, position_ids) for s, h in zip(stacks, hidden)]
+    n_layers = stacks[0].n_layers
+    for i in range(n_layers):
+        for j, s in enumerate(stacks):
+            layer = s.layer(i)
+            pos = rotary[j](hidden[j], position_ids=position_ids)
+            out = layer(hidden_states=hidden[j], position_embeddings=pos, attention_mask=masks[j],
+                        position_ids=position_ids)
+            hidden[j] = out[0] if isinstance(out, tuple) else out
+            del layer
+        if progress:
+            progress("checking", i + 1, n_layers)
+    finals = []
+    for s, h in zip(stacks, hidden):
+        norm = s.get("model.norm.weight")
+        eps = getattr(s.config, "rms_norm_eps", 1e-6)
+        finals.append(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm)
+    return finals
+
+
+HEAD_ROWS = 16384  # output-matrix rows upcast to float32 at a time
+
+
+def head_logits(final: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """final (tokens, d) float32 @ w.T, w upcast HEAD_ROWS rows at a time (the same products as w.float())."""
+    if w.dtype == torch.float32:
+        return final @ w.T
+    return torch.cat([final @ w[r:r + HEAD_ROWS].float().T for r in range(0, w.shape[0], HEAD_ROWS)], dim=-1)
+
+
+def logits(stack: LayerStack, final: torch.Tensor) -> torch.Tensor:
+    return head_logits(final, stack.head()[1])
+
+
+@torch.no_grad()
+def max_logit_diff(ref: LayerStack, ref_final: torch.Tensor, other: LayerStack, final: torch.Tensor,
+                   chunk: int = 256) -> tuple[float, float]:
+    """(max |logit difference|, max |reference logit|), a chunk of tokens at a time."""
+    a, b = ref_final.reshape(-1, ref_final.shape[-1]), final.reshape(-1, final.shape[-1])
+    w_ref, w = ref.head()[1], other.head()[1]
+    diff = scale = 0.0
+    for s in range(0, a.shape[0], chunk):
+        la, lb = head_logits(a[s:s + chunk], w_ref), head_logits(b[s:s + chunk], w)
+        diff, scale = max(diff, (la - lb).abs().max().item()), max(scale, la.abs().max().item())
+    return diff, scale
+
+
+@torch.no_grad()
+def kl_to_reference(ref: LayerStack, ref_final: torch.Tensor, other: LayerStack, final: torch.Tensor,
+                    chunk: int = 256) -> float:
+    """Mean KL(reference ‖ other) of the next-token distributions over every position, nats."""
+    a, b = ref_final.reshape(-1, ref_final.shape[-1]), final.reshape(-1, final.shape[-1])
+    w_ref, w = ref.head()[1], other.head()[1]
+    total = 0.0
+    for s in range(0, a.shape[0], chunk):
+        lp, lq = F.log_softmax(head_logits(a[s:s + chunk], w_ref), -1), F.log_softmax(head_logits(b[s:s + chunk], w), -1)
+        total += (lp.exp() * (lp - lq)).sum().item()
+    return total / a.shape[0]
+
+
+__all__ = ["causal_mask", "LayerStack", "source_stack", "moe_stack", "stream_hidden", "logits", "max_logit_diff", "kl_to_reference",
+           "MOE_CLASSES"]

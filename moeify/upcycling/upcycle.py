@@ -1,0 +1,565 @@
+"""The upcycle stage: an MoE whose experts are copies of each dense FFN (moeify.upcycling.copies), for MoE training.
+
+plan (config + shard headers only, every check up front) -> per layer: copies, router, symmetry breaking -> stream
+out (one decoder layer resident, as convert) -> check against the source -> commit. The check at the end of every run
+streams a few tokens through the source and the written MoE one decoder layer at a time (transformers' own classes,
+the MoE's real top-k routing, moeify.evaluation.layerwise): the construction with unbroken copies must give the source's logits
+(else the run stops and writes nothing), and the KL to the source of the model as written (the price of the symmetry
+breaking) goes into report.json and the card.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..formats.card import copy_licence, write as write_card
+from ..formats.checkpoint import DTYPE_NAMES, PARTIAL_SUFFIX, CheckpointReader, TensorInfo, check_links
+from .copies import (BREAKS, SHARED_GATE_FACTOR, UpcycleLayout, add_noise, copy_expert, copy_orders, drop_count,
+                     drop_reinit, group_router, matrix_stats, random_router, routed_neurons, shared_expert,
+                     shared_neurons)
+from ..errors import MoeifyError
+from ..formats.families import (TOKENIZER_FILES, SourceModel, attention_infos, check_source_tensors, ffn_tensor_names,
+                       load_source, target_config)
+from ..maths.router import SHARED_GATE_MIN
+from ..version import __version__
+from ..formats.config import FORMATS
+from ..formats.writer import (WRITE_AHEAD_BYTES, BackgroundWriter, ShardLayout, ShardWriter, check_free_space,
+                     check_output_path, check_written, commit_output, output_errors, prepare_output, write_attention,
+                     write_head)
+
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
+# a merge's choices as report.json and moeify.toml record them (UpcyclePlan.summary)
+MERGE_KEYS = ("sources", "attention", "router", "residual_scales", "shared_source", "shared_scale", "shared_gate")
+CHECK_RTOL = 1e-3  # max |logit difference| allowed, relative to max |source logit| (as `moeify verify`)
+CHECK_SEQ = 32  # tokens of each of the 2 random sequences the check runs when the source has no tokenizer
+READ_BACK_BYTES = 16 << 30  # outputs up to this size are checked from the files; larger ones from regenerated experts
+# Training the output with AdamW in mixed precision holds, per parameter: bf16 weights and gradients (2 + 2), float32
+# master weights and two moments (4 + 4 + 4): 16 bytes, before activations (the usual estimate, e.g. ZeRO's paper).
+TRAIN_BYTES_PER_PARAM = 16
+
+
+@dataclass
+class UpcycleSettings:
+    """What `moeify upcycle` is asked to build (flags of the same names in kebab-case)."""
+
+    copies: int = 8  # E: copies of each FFN
+    granularity: int = 1  # G: slices per copy (fine-grained experts); N = E·G experts
+    top_k: int = 2  # experts a token uses, a multiple of G
+    shared_width: int = 0  # neurons kept apart in an always-on shared expert (Qwen2-MoE)
+    format: str = "auto"
+    symmetry: str = "drop"  # how the copies are made to differ: none, drop, permute, noise (moeify.upcycling.copies)
+    drop_share: float = 0.5  # Drop-Upcycling's r
+    noise_scale: float = 0.01  # noise std relative to each matrix's
+    router_std: float = 0.0  # 0: the source's initializer_range (0.02 when it has none)
+    aux_loss_coef: float = 0.01  # config.json router_aux_loss_coef: the load-balancing loss transformers adds in training
+    dtype: str = "auto"
+    max_shard_bytes: int = 5_000_000_000
+    seed: int = 0
+    targets: tuple[str, ...] = ()  # engines that must run the output (moeify.formats.engines)
+
+    def validate(self) -> None:
+        if self.symmetry not in BREAKS:
+            raise MoeifyError(f"--symmetry {self.symmetry!r} is not one of {', '.join(BREAKS)}")
+        if self.format not in FORMATS:
+            raise MoeifyError(f"--format {self.format!r} is not one of {', '.join(FORMATS)}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise MoeifyError(f"--dtype {self.dtype!r} is not one of auto, float32, bfloat16, float16")
+        if not 0 < self.drop_share <= 1:
+            raise MoeifyError(f"--drop-share {self.drop_share} must be in (0, 1]")
+        if not self.noise_scale > 0:
+            raise MoeifyError(f"--noise-scale {self.noise_scale} must be positive")
+        if self.aux_loss_coef < 0:
+            raise MoeifyError(f"--aux-loss-coef {self.aux_loss_coef} must be at least 0")
+        if self.router_std < 0:
+            raise MoeifyError(f"--router-std {self.router_std} must be positive (or 0: the source's initializer_range)")
+        if self.max_shard_bytes < 1:
+            raise MoeifyError(f"--max-shard-size {self.max_shard_bytes} must be positive")
+        from ..formats.engines import ENGINES
+
+        for t in self.targets:
+            if t not in ENGINES:
+                raise MoeifyError(f"--target {t!r} is not one of {', '.join(ENGINES)}")
+        if self.symmetry == "permute" and self.granularity == 1:
+            raise MoeifyError("--symmetry permute does nothing at --granularity 1 (a copy's neurons reordered are the "
+                              "same expert)", "use --symmetry drop or noise, or fine-grained copies (--granularity G)")
+
+
+@dataclass
+class UpcyclePlan:
+    src: SourceModel
+    settings: UpcycleSettings
+    layout: UpcycleLayout
+    fmt: str
+    out_dtype: torch.dtype
+    router_std: float
+    tensors: list[TensorInfo]
+    shards: ShardLayout
+    config_json: dict
+    total_params: int
+    active_params: int
+    reader: CheckpointReader | None = field(repr=False)  # None: planned from config.json alone (not runnable)
+    # a merge (moeify.merging.merge): copy e is the FFN of sources[e]; attention, norms and embeddings the base's (src) or
+    # the sources' average; router rows per layer (E, d_model) from each source's text, or random when None
+    sources: list[SourceModel] = field(default_factory=list)
+    readers: list[CheckpointReader] = field(default_factory=list, repr=False)
+    attention: str = "base"
+    router_rows: dict[int, torch.Tensor] | None = field(default=None, repr=False)
+    gate_mode: str = "random"  # how router_rows were made (moeify.merging.spec.GATE_MODES)
+    scales: list[float] | None = None  # a merge's residual_scale per copy: its down_proj × it (None: all 1)
+    # a merge's shared expert of its own (layout.shared_apart): the FFN of shared_source, its output × shared_scale,
+    # its gate row per layer from prompts (None: constant, sigmoid ~ 1/2)
+    shared_source: SourceModel | None = None
+    shared_reader: CheckpointReader | None = field(default=None, repr=False)
+    shared_scale: float = 1.0
+    shared_rows: dict[int, torch.Tensor] | None = field(default=None, repr=False)
+
+    @property
+    def output_bytes(self) -> int:
+        return self.shards.total_bytes()
+
+    @property
+    def exact(self) -> bool:
+        """Whether the output as written computes the source (no symmetry breaking, or a permutation of slices)."""
+        return self.settings.symmetry in ("none", "permute") and not self.sources
+
+    @property
+    def shared_is_base(self) -> bool:
+        """Whether a shared expert of its own computes the base's FFN at a constant gate of 1/2 (so that, with every
+        copy the base's FFN, the layer computes the base: the routed half plus the shared half)."""
+        return (self.shared_source is None or self.shared_source.path == self.src.path) and self.shared_scale == 1 \
+            and self.shared_rows is None
+
+    def ffns(self, i: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Layer i's dense (gate, up, down) of every copy: the source's for an upcycle, each source's for a merge."""
+        readers = self.readers or [self.reader]
+        ffns = [tuple(r.get(f"model.layers.{i}.mlp.{n}_proj.weight") for n in ("gate", "up", "down")) for r in readers]
+        return ffns if self.sources else ffns * self.layout.copies
+
+    def base_ffn(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer i's (gate, up, down) of the base (a merge's exact construction: every copy the base's FFN)."""
+        return tuple(self.reader.get(f"model.layers.{i}.mlp.{n}_proj.weight") for n in ("gate", "up", "down"))
+
+    def shared_ffn(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer i's (gate, up, down) of a merge's shared source."""
+        return tuple(self.shared_reader.get(f"model.layers.{i}.mlp.{n}_proj.weight") for n in ("gate", "up", "down"))
+
+    @property
+    def engine_notes(self):
+        from ..formats.engines import engine_notes
+
+        s, lay = self.src, self.layout
+        return engine_notes(self.fmt, lay.top_k, lay.n_experts, lay.shared_width, lay.expert_width,
+                            self.src.tied, 0, s.head_dim, s.hidden, s.heads, s.qkv_bias, renormalised=True,
+                            upcycle="merge" if self.sources else "upcycle")
+
+    def summary(self) -> dict:
+        lay = self.layout
+        merge = {"sources": [str(m.path) for m in self.sources], "attention": self.attention,
+                 "router": self.gate_mode,
+                 **({"residual_scales": self.scales} if self.scales else {}),
+                 **({"shared_source": str(self.shared_source.path), "shared_scale": self.shared_scale,
+                     "shared_gate": "prompts" if self.shared_rows is not None else "constant"}
+                    if self.shared_source is not None else {})} if self.sources else {}
+        return {"source": str(self.src.path), "construction": "merge" if self.sources else "upcycle", **merge,
+                "format": self.fmt,
+                "output_dtype": str(self.out_dtype).removeprefix("torch."), "settings": settings_dict(self.settings),
+                "copies": lay.copies, "granularity": lay.granularity, "experts": lay.n_experts, "top_k": lay.top_k,
+                "expert_width": lay.expert_width, "shared_width": lay.shared_width,
+                "ffn_params_ratio": lay.params_ratio, "ffn_flops_ratio": lay.compute_ratio,
+                "total_params": self.total_params, "active_params": self.active_params,
+                "output_bytes": self.output_bytes, "shards": len(self.shards.files), "exact": self.exact,
+                "training_state_bytes": TRAIN_BYTES_PER_PARAM * self.total_params,
+                "router_std": self.router_std,
+                "engines": [{"engine": n.engine, "fails": n.fails, "what": n.what, "fix": n.fix}
+                            for n in self.engine_notes]}
+
+
+def settings_dict(s: UpcycleSettings) -> dict:
+    d = asdict(s)
+    d["targets"] = list(s.targets)
+    return d
+
+
+def resolve_format(src: SourceModel, requested: str, shared_width: int) -> str:
+    """Mixtral for a Llama / Mistral source (Qwen2-MoE with a shared expert), Qwen2-MoE for Qwen2 (its q/k/v biases),
+    Qwen3-MoE for Qwen3 (its q/k norms); a requested format that cannot hold the source is refused."""
+    if src.qk_norm:
+        if requested not in ("auto", "qwen3_moe"):
+            raise MoeifyError(f"--format {requested} cannot hold the q/k norms of {src.path} (qwen3)",
+                              "use --format qwen3_moe (or auto)")
+        if shared_width:
+            raise MoeifyError(f"a shared expert ({shared_width} neurons): {src.path} is a Qwen3 model and Qwen3-MoE, "
+                              "the one stock class with its q/k norms, has no shared expert",
+                              "leave out --shared-width (or a merge's shared_experts)")
+        return "qwen3_moe"
+    if requested == "qwen3_moe":
+        raise MoeifyError(f"--format qwen3_moe needs a Qwen3 source; {src.path} is {src.model_type} (its attention "
+                          "has no q/k norms)", "use --format mixtral or qwen2_moe (or auto)")
+    if src.qkv_bias:
+        if requested == "mixtral":
+            raise MoeifyError(f"--format mixtral cannot hold the q/k/v biases of {src.path} ({src.model_type})",
+                              "use --format qwen2_moe (or auto)")
+        return "qwen2_moe"
+    if requested == "mixtral" and shared_width:
+        raise MoeifyError(f"--format mixtral has no shared expert ({shared_width} neurons asked for)",
+                          "use --format qwen2_moe (or auto), or leave out --shared-width (or shared_experts)")
+    if requested == "auto":
+        return "qwen2_moe" if shared_width else "mixtral"
+    return requested
+
+
+def plan_upcycle(src_path: str | Path, settings: UpcycleSettings, *, allow_pickle: bool = False,
+                 force: bool = False, weights: bool = True, shared_apart: bool = False) -> UpcyclePlan:
+    """Read config and shard headers only; check everything before heavy work. weights=False: config.json alone
+    (a plan to print, from a Hub id without fetching its weights; it cannot be run). shared_apart: the shared expert
+    (settings.shared_width = d_ff) a whole FFN of its own, the copies whole (a merge's shared source)."""
+    settings.validate()
+    src = load_source(src_path)
+    if weights:
+        check_links(src.path, ("config.json", *TOKENIZER_FILES))
+        reader = CheckpointReader(src.path, allow_pickle=allow_pickle)
+        check_source_tensors(src, reader.tensors)
+        headers, stored = reader.tensors, reader.tensors["model.embed_tokens.weight"].dtype
+    else:
+        reader, stored = None, src.dtype or torch.bfloat16
+        headers = {n: TensorInfo(n, stored, shape) for n, shape in src.expected_tensors().items()}
+    fmt = resolve_format(src, settings.format, settings.shared_width)
+    layout = UpcycleLayout(src.d_ff, settings.copies, settings.granularity, settings.top_k, settings.shared_width,
+                           shared_apart)
+    layout.check()
+    out_dtype = DTYPE_NAMES[settings.dtype] if settings.dtype != "auto" else stored
+    tensors = _output_tensors(src, headers, fmt, layout, out_dtype)
+    shards = ShardLayout.plan(tensors, settings.max_shard_bytes)
+    config_json = target_config(src, fmt, experts=layout.n_experts, top_k=layout.top_k,
+                                expert_width=layout.expert_width, shared_width=layout.shared_width, dense_layers=(),
+                                dtype=out_dtype, tied=src.tied, renormalise=True)
+    config_json["router_aux_loss_coef"] = settings.aux_loss_coef  # with output_router_logits=True in training
+    total = sum(math.prod(t.shape) for t in tensors)
+    ffn_dense = 3 * src.hidden * src.d_ff
+    per_layer_active = ffn_dense * layout.compute_ratio
+    per_layer_all = ffn_dense * layout.params_ratio
+    active = total - src.n_layers * round(per_layer_all - per_layer_active)
+    std = settings.router_std or float(src.raw.get("initializer_range") or 0.02)
+    plan = UpcyclePlan(src, settings, layout, fmt, out_dtype, std, tensors, shards, config_json, total, active, reader)
+    from ..formats.engines import refuse_blocked
+
+    refuse_blocked(plan.engine_notes, settings.targets, force)
+    return plan
+
+
+def _output_tensors(src: SourceModel, headers: dict[str, TensorInfo], fmt: str, layout: UpcycleLayout,
+                    dtype: torch.dtype) -> list[TensorInfo]:
+    h, w, n = src.hidden, layout.expert_width, layout.n_experts
+    out = [TensorInfo("model.embed_tokens.weight", dtype, (src.vocab, h))]
+    for i in range(src.n_layers):
+        out += attention_infos(src, headers, fmt, i, dtype)
+        for name in ffn_tensor_names(fmt, i, n, dense=False, shared=layout.shared_width > 0):
+            if name.endswith("shared_expert_gate.weight"):
+                shape = (1, h)
+            elif name.endswith(".gate.weight"):
+                shape = (n, h)
+            else:
+                width = layout.shared_width if ".shared_expert." in name else w
+                shape = (h, width) if name.endswith(("w2.weight", "down_proj.weight")) else (width, h)
+            out.append(TensorInfo(name, dtype, shape))
+    out.append(TensorInfo("model.norm.weight", dtype, (h,)))
+    if not src.tied:
+        out.append(TensorInfo("lm_head.weight", dtype, (src.vocab, h)))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ one layer
+
+
+class LazyExperts:
+    """A layer's experts made one at a time, in order, when iterated (writing holds the one being written, not all
+    N); each is deterministic in (seed, layer, expert), so any pass gives the same tensors."""
+
+    def __init__(self, make, n: int):
+        self._make, self._n = make, n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self):
+        return (self._make(e) for e in range(self._n))
+
+    def __getitem__(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self._make(e)
+
+    def cast(self, dtype: torch.dtype) -> "LazyExperts":
+        return LazyExperts(lambda n: tuple(t.to(dtype) for t in self._make(n)), self._n)
+
+
+@dataclass
+class LayerExperts:
+    """One layer's upcycled FFN: routed experts (gate, up, down), router rows, the shared expert and what was done."""
+
+    experts: LazyExperts
+    router: torch.Tensor  # (N, d_model)
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    report: dict
+
+
+def layer_experts(plan: UpcyclePlan, i: int, ffns: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                  broken: bool = True) -> LayerExperts:
+    """Layer i's experts from the dense gate/up/down of each copy (plan.ffns(i): one FFN E times, or a merge's one
+    per source), deterministic in (seed, i): broken=False gives the copies before symmetry breaking and a merge's
+    residual scales (what the exactness check runs)."""
+    s, lay = plan.settings, plan.layout
+    gen = torch.Generator().manual_seed(s.seed * 1_000_003 + i)
+    rows = random_router(lay.copies, plan.src.hidden, plan.router_std, gen)
+    if plan.router_rows is not None:
+        rows = plan.router_rows[i]
+    router = group_router(rows, lay.granularity)
+    gate, up, down = ffns[0]
+    shared_idx = shared_neurons(gate, up, down, 0 if lay.shared_apart else lay.shared_width)
+    orders = copy_orders(routed_neurons(lay.d_ff, shared_idx), lay.copies, s.symmetry == "permute", gen)
+    g, w = lay.granularity, lay.expert_width
+    # beside a shared expert of its own each copy's output is halved: at its resting gate (1/2) the shared expert is
+    # the other half, so a layer of the base's FFN everywhere computes the base
+    factor = g / 2 if lay.shared_apart else g
+    symmetry = s.symmetry if broken else "none"
+    if symmetry == "drop":
+        stats = (matrix_stats(gate), matrix_stats(up), tuple(v * g for v in matrix_stats(down)))
+    elif symmetry == "noise":
+        stds = (matrix_stats(gate)[1], matrix_stats(up)[1], matrix_stats(down)[1] * g)
+
+    def make(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        copy, part = divmod(n, g)
+        expert = copy_expert(*ffns[copy], orders[copy][part * w:(part + 1) * w], factor)
+        if broken and plan.scales and plan.scales[copy] != 1:  # a merge's residual_scale: the output × it
+            expert = (*expert[:2], (expert[2].float() * plan.scales[copy]).to(expert[2].dtype))
+        own = torch.Generator().manual_seed((s.seed * 1_000_003 + i) * 4099 + n)  # this expert's draws alone
+        if symmetry == "drop":
+            return drop_reinit(expert, s.drop_share, stats, own)[0]
+        if symmetry == "noise":
+            return add_noise(expert, s.noise_scale, stds, own)
+        return expert
+
+    report: dict = {"layer": i, "symmetry": s.symmetry}
+    if symmetry == "drop":
+        report["reinitialised_neurons"] = [drop_count(s.drop_share, w)] * lay.n_experts
+    if lay.shared_apart:  # gate 1/2 at rest × 2 / 2: the shared FFN's own output × its residual scale
+        sg, su, sd = plan.shared_ffn(i)
+        shared = sg, su, (sd.float() * plan.shared_scale).to(sd.dtype)
+    else:
+        shared = shared_expert(gate, up, down, shared_idx, SHARED_GATE_FACTOR) if lay.shared_width else None
+    if lay.shared_width and not lay.shared_apart:
+        report["shared_neurons"] = shared_idx.tolist()
+    return LayerExperts(LazyExperts(make, lay.n_experts), router, shared, report)
+
+
+def _ffn_tensors(plan: UpcyclePlan, i: int, le: LayerExperts):
+    """(name, tensor) of layer i's FFN in the order the plan lists them, each expert made as it is reached."""
+    dtype, h = plan.out_dtype, plan.src.hidden
+    names = iter(ffn_tensor_names(plan.fmt, i, plan.layout.n_experts, dense=False, shared=plan.layout.shared_width > 0))
+    yield next(names), le.router.to(dtype)
+    for g, u, d in le.experts:
+        for t in (g, u, d):
+            yield next(names), t.to(dtype)
+    if plan.fmt == "qwen2_moe":
+        if le.shared is None:
+            empty = torch.zeros(0, h, dtype=dtype)
+            shared = (empty, empty, torch.zeros(h, 0, dtype=dtype))
+        else:
+            shared = tuple(t.to(dtype) for t in le.shared)
+        for t in shared:
+            yield next(names), t
+        if plan.shared_rows is not None:  # a merge's shared gate from prompts
+            yield next(names), plan.shared_rows[i].reshape(1, h).to(dtype)
+        else:
+            yield next(names), torch.full((1, h), SHARED_GATE_MIN, dtype=dtype)  # sigmoid ~ 1/2; never 0 (llama.cpp)
+
+
+# ------------------------------------------------------------------------------------------------ running
+
+
+def check_windows(src: SourceModel, text: str, tokens: int, seq: int = 64) -> torch.Tensor:
+    """(n, seq) windows of the first `tokens` tokens of `text` in the source's own tokenizer, for the KL of the
+    model as written (before any work: a missing tokenizer or too short a text fails here)."""
+    from ..formats.text import source_tokenizer
+    from ..formats.text import encode_text
+
+    ids = encode_text(source_tokenizer(src.path), text, add_special_tokens=False)[:tokens]
+    if len(ids) < seq:
+        raise MoeifyError(f"--check-text has {len(ids)} tokens, fewer than one window of {seq}",
+                          "give a longer text (or leave out --check-text: the bundled sample)")
+    return torch.tensor(ids[: len(ids) // seq * seq]).view(-1, seq)
+
+
+def run_upcycle(plan: UpcyclePlan, out: str | Path, *, overwrite: bool = False, progress: Progress | None = None,
+                check_ids: torch.Tensor | None = None) -> dict:
+    """Write OUT atomically and check it against the source; returns the report (also OUT/report.json).
+    check_ids: (n, seq) token windows the model as written is scored on (KL to the source); None: random tokens."""
+    out = Path(out)
+    src = plan.src
+    if plan.reader is None:
+        raise MoeifyError(f"the plan of {src.path} was made from config.json alone (a dry run) and cannot be written",
+                          "plan it with its weights (weights=True)")
+    check_output_path(out, overwrite, src.path)
+    check_free_space(out, plan.output_bytes, overwrite)
+    with output_errors(out):
+        tmp = prepare_output(out, overwrite, src.path)
+        return _write_output(plan, out, tmp, progress, check_ids)
+
+
+def _write_output(plan: UpcyclePlan, out: Path, tmp: Path, progress: Progress | None,
+                  check_ids: torch.Tensor | None) -> dict:
+    """Write into the temporary directory `tmp`, check it, move it into place; on any failure remove it."""
+    t0 = time.time()
+    writer = None
+    try:
+        writer = BackgroundWriter(ShardWriter(tmp, plan.shards), max_pending=WRITE_AHEAD_BYTES)
+        layers = _write_tensors(plan, writer, progress)
+        writer.finish()
+        seconds = time.time() - t0
+        check_written(tmp, plan.tensors)
+        (tmp / "config.json").write_text(json.dumps(plan.config_json, indent=2, sort_keys=True) + "\n")
+        check = check_output(plan, tmp, progress, check_ids)
+        check["seconds"] = round(time.time() - t0 - seconds, 3)
+        report = _write_metadata(plan, tmp, layers, seconds, check)
+        commit_output(tmp, out)
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        for reader in (plan.reader, *plan.readers, *([plan.shared_reader] if plan.shared_reader else [])):
+            reader.close()
+    return report
+
+
+class AveragedReader:
+    """The mean of several readers' tensors of one name (a merge's --attention average), float32 sums."""
+
+    def __init__(self, readers: list[CheckpointReader]):
+        self.readers = readers
+        self.tensors = readers[0].tensors
+
+    def get(self, name: str) -> torch.Tensor:
+        first = self.readers[0].get(name)
+        return (sum(r.get(name).float() for r in self.readers) / len(self.readers)).to(first.dtype)
+
+
+def _write_tensors(plan: UpcyclePlan, writer, progress: Progress | None) -> list[dict]:
+    src, dtype = plan.src, plan.out_dtype
+    reader = AveragedReader(plan.readers) if plan.attention == "average" else plan.reader
+    plan.reader.prefetch(plan.reader.layer_tensors(0))
+    writer.write("model.embed_tokens.weight", reader.get("model.embed_tokens.weight").to(dtype))
+    layers = []
+    for i in range(src.n_layers):
+        if i + 1 < src.n_layers:
+            plan.reader.prefetch(plan.reader.layer_tensors(i + 1))
+        write_attention(writer, reader, src, plan.fmt, i, dtype)
+        le = layer_experts(plan, i, plan.ffns(i))
+        for name, t in _ffn_tensors(plan, i, le):
+            writer.write(name, t)
+        layers.append(le.report)
+        del le
+        if progress:
+            progress("writing", i + 1, src.n_layers)
+    write_head(writer, reader, src, src.tied, dtype)
+    return layers
+
+
+def check_output(plan: UpcyclePlan, out_dir: Path, progress: Progress | None = None,
+                 text_ids: torch.Tensor | None = None) -> dict:
+    """Stream the source and the written MoE one decoder layer at a time (moeify.evaluation.layerwise), in one pass over
+    `text_ids` (else 64 random tokens), the model as written scored by its KL to the source; the copies before any
+    symmetry breaking (a merge's: every copy the base's FFN) must give the source's logits, checked on 64 random
+    tokens when they are not the model as written (RuntimeError otherwise)."""
+    from ..evaluation.layerwise import kl_to_reference, max_logit_diff, moe_stack, source_stack, stream_hidden
+
+    src = plan.src
+    src_reader = CheckpointReader(src.path)
+    out_reader = CheckpointReader(out_dir)
+    from_files = plan.output_bytes <= READ_BACK_BYTES
+
+    def regenerate(broken: bool, base_only: bool = False):
+        def experts(i: int):
+            ffns = [plan.base_ffn(i)] * plan.layout.copies if base_only else plan.ffns(i)
+            return layer_experts(plan, i, ffns, broken).experts.cast(plan.out_dtype)  # as the output holds them
+        return experts
+
+    dense = source_stack(src, src_reader, plan.out_dtype)  # the source as the output's dtype holds it
+    written = moe_stack(out_dir, out_reader, None if from_files else regenerate(True))
+    # the check's tokens (the text, else random ones) through the source and the model as written, a decoder layer
+    # of each at a time: its KL to the source, and its logits when it is the exact construction. Otherwise the exact
+    # construction (a merge's: every copy the base's FFN; an upcycle's: the copies before symmetry breaking) is
+    # compared with the source on CHECK_SEQ random tokens a sequence, in a second, shorter pass: exactness is a
+    # property of the weights and the class's routing, which any tokens show. With averaged attention, or a shared
+    # expert of its own that is not the base's FFN at a constant gate, no setting computes the base, and only the KL
+    # is measured.
+    averaged = bool(plan.sources) and (plan.attention != "base" or not plan.shared_is_base)
+    exact = None if averaged else written if plan.exact else \
+        moe_stack(out_dir, out_reader, regenerate(False, bool(plan.sources)))
+    random_ids = torch.randint(0, src.vocab, (2, CHECK_SEQ),
+                               generator=torch.Generator().manual_seed(plan.settings.seed))
+    ids = text_ids if text_ids is not None else random_ids
+    finals = stream_hidden([dense, written], ids, progress)
+    result = {"tokens": int(ids.numel()), "tokens_from": "text" if text_ids is not None else "random",
+              "experts_read_back": from_files, "exact_model": None,
+              "kl_to_source": 0.0 if exact is written and text_ids is None else  # identical by construction
+              kl_to_reference(dense, finals[0], written, finals[-1])}
+    if text_ids is not None:
+        result["kl_text_tokens"] = int(ids.numel())
+    if exact is not None and exact is not written:
+        finals = stream_hidden([dense, exact], random_ids, progress)
+        result["exact_tokens"] = int(random_ids.numel())
+    src_reader.close()
+    out_reader.close()
+    if exact is None:
+        return result
+    diff, scale = max_logit_diff(dense, finals[0], exact, finals[1])
+    result.update(max_logit_diff=diff, logit_scale=scale, exact_model="as written" if plan.exact else
+                  "every expert the base's FFN" if plan.sources else "the copies before symmetry breaking")
+    tol = CHECK_RTOL * max(scale, 1e-6)
+    if not math.isfinite(diff) or diff > tol:
+        raise RuntimeError(f"upcycle check failed: the copies' logits differ from {src.path}'s by {diff:.3g} (allowed "
+                           f"{tol:.3g}); nothing was written")
+    return result
+
+
+def _write_metadata(plan: UpcyclePlan, tmp: Path, layers: list[dict], seconds: float, check: dict) -> dict:
+    for name in TOKENIZER_FILES:
+        f = plan.src.path / name
+        if f.is_file():
+            shutil.copyfile(f, tmp / name)
+    summary = plan.summary()
+    summary.pop("engines")
+    report = {"moeify_version": __version__, **summary, "seconds": round(seconds, 3), "check": check,
+              "layers": layers}
+    (tmp / "report.json").write_text(json.dumps(report) + "\n")
+    (tmp / "moeify.toml").write_text(recipe_toml(plan))
+    copy_licence(plan.src.path, tmp)
+    write_card(tmp, name=tmp.name.removesuffix(PARTIAL_SUFFIX))
+    return report
+
+
+def recipe_toml(plan: UpcyclePlan) -> str:
+    """What was built, as TOML (OUT/moeify.toml): the construction, a merge's sources and choices, the settings."""
+    kind = "merge" if plan.sources else "upcycle"
+    lines = [f"# moeify {__version__}: {kind} of {plan.src.path.name}", f"construction = \"{kind}\""]
+    if plan.sources:  # the checkpoints by folder name (report.json has their paths)
+        merge = {k: v for k, v in plan.summary().items() if k in MERGE_KEYS}
+        merge["sources"] = [Path(p).name for p in merge["sources"]]
+        if "shared_source" in merge:
+            merge["shared_source"] = Path(merge["shared_source"]).name
+        lines += [f"base = {json.dumps(plan.src.path.name)}"] + [f"{k} = {json.dumps(v)}" for k, v in merge.items()]
+    for key, value in settings_dict(plan.settings).items():
+        lines.append(f"{key} = {json.dumps(value)}")
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["UpcycleSettings", "UpcyclePlan", "plan_upcycle", "run_upcycle", "check_output", "layer_experts",
+           "resolve_format", "recipe_toml"]
