@@ -19,7 +19,7 @@ OUT.moeify-tune/ every --save-every seconds and on Ctrl-C / SIGTERM, and --resum
 uninterrupted run would have (same machine, thread count and number of processes). The output is written back all or
 nothing, in its own dtype and tensor names (checked against the base's).
 
-Across processes (torchrun, accelerate launch) it runs as carve tuning does (moeify.parallel): every rank checks the
+Across processes (torchrun, accelerate launch) it runs as carve tuning does (moeify.training.parallel): every rank checks the
 inputs and one rank's refusal is every rank's, the ranks meet at each phase within the collective timeout, rank 0
 writes the state and the output; the model is sharded by FSDP2 and each step's windows are split by rank
 (moeify.tuning.lm_loop). This module: the run's checks and state directory, and the output written.
@@ -110,7 +110,7 @@ def train_output(out: str | Path, opts: TrainOptions | None = None, *, resume: b
     in OUT.moeify-tune/ (its own options; `given` must agree); restart: discard such a state. Under torchrun (or
     accelerate launch) the model is sharded across the processes (moeify.tuning.lm_loop); offload: its weights,
     gradients and AdamW state in host memory (FSDP2 CPU offload). timeout: across processes, the seconds a rank
-    waits for the others (moeify.parallel.collective_timeout)."""
+    waits for the others (moeify.training.parallel.collective_timeout)."""
     from ..maths.numerics import map_large_allocations, resolve_device
     from ..training.parallel import setup
 
@@ -170,7 +170,7 @@ def _check(out: Path, root: Path, par, opts: TrainOptions | None, resume: bool, 
 
 
 def check_memory(out: Path, config: dict, opts: TrainOptions, seq: int, par, offload: bool) -> None:
-    """Refuse a run whose predicted peak per process (moeify.memory.train_memory, from OUT's config) exceeds the
+    """Refuse a run whose predicted peak per process (moeify.maths.memory.train_memory, from OUT's config) exceeds the
     device's memory, naming how many processes would hold it."""
     from ..maths.memory import PROCESS_COUNTS, device_memory
 
@@ -183,12 +183,12 @@ def check_memory(out: Path, config: dict, opts: TrainOptions, seq: int, par, off
     hint = (f"run it across {fits} processes: torchrun --nproc-per-node {fits} -m moeify tune {out} ..."
             if fits and fits > par.world else "train the routers alone (--router-only), or use a larger machine")
     raise MoeifyError(f"training {out} needs about {mem.peak / 1e9:.1f} GB a process on {par.device} across "
-                      f"{par.world} process(es) (predicted: moeify/memory.py's train_memory), and it has "
+                      f"{par.world} process(es) (predicted: moeify/maths/memory.py's train_memory), and it has "
                       f"{have / 1e9:.1f} GB", f"{hint}; or --no-memory-check")
 
 
 def predicted_memory(config: dict, opts: TrainOptions, seq: int, dev: str, world: int = 1, offload: bool = False):
-    """moeify.memory.train_memory of this run (OUT's config, the options, the windows a forward on each process)."""
+    """moeify.maths.memory.train_memory of this run (OUT's config, the options, the windows a forward on each process)."""
     from ..maths.memory import train_memory
     from ..maths.numerics import tuning_autocast
 

@@ -1,5 +1,5 @@
 """A tuning run from start to end: every refusal before any work (check_run), the state directory begun, the
-teacher, tuning text and teacher pass, the student distilled (moeify.distill.distill), and the tuned output written
+teacher, tuning text and teacher pass, the student distilled (moeify.training.distill.distill), and the tuned output written
 all or nothing. `moeify tune SRC OUT` and `moeify convert --tune-tokens N` both run tune_output."""
 
 from __future__ import annotations
@@ -146,14 +146,14 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
     write the result to OUT all or nothing. Returns the new report.json.
 
     offload: keep the student's trainable tensors, gradients and optimizer state in host memory (FSDP2 CPU offload;
-    moeify.parallel); None: when the GPU is too small otherwise and the offloaded run fits (moeify.memory).
+    moeify.training.parallel); None: when the GPU is too small otherwise and the offloaded run fits (moeify.maths.memory).
     precompute_targets: the teacher pass (teacher_pass) before tuning, the teacher's FFNs freed after it, and the
     sampled windows' hidden states kept from sampling; False: the teacher runs on every window inside the loop
     (nothing on disk: at 16M tokens the sampled text's would be 9.7 GB for SmolLM2, 69 GB at 8B); None: in the loop
     on one GPU where it fits (sizing.teacher_inline), the pass elsewhere. A resumed run keeps its own.
     resume: continue the interrupted run saved in OUT.moeify-tune (opts None: its own; `given`, the options the
     caller set explicitly, must agree with it). restart: discard such a state and start anew.
-    timeout: across processes, the seconds a rank waits for the others (moeify.parallel.collective_timeout).
+    timeout: across processes, the seconds a rank waits for the others (moeify.training.parallel.collective_timeout).
 
     Across processes every rank checks the inputs and any rank's refusal is every rank's; rank 0 decides what
     depends on the device or on files (offload, the step, the teacher's place, the state found) and shares it."""
