@@ -12,7 +12,9 @@ router construction scored on each genre's held-out text: the share of its token
    expert's positive_prompts PROMPTS_PER_GENRE passages of its genre's training text (after the fine-tune's tokens).
 3. The same YAML through mergekit-moe (its own venv: scripts/bench_mergekit.py makes it) with gate_mode hidden and
    cheap_embed, and through `moeify merge --config` with gate modes hidden, cheap_embed and router_input; and
-   `moeify merge --router-text` (2,048 tokens of each genre's calib_train_200k.txt instead of the prompts).
+   `moeify merge --router-text` (each genre's text past the fine-tune's tokens, the region its prompts come from:
+   2,048 tokens read, instead of the prompts).
+A row whose command, base, token counts and prompts match the --json file's is kept from it, not run again.
 Scored: the first --eval-tokens tokens of each genre's valid.txt, windows of 256, float32; the base and each
 fine-tune alone beside them (a fine-tune on its own genre is what a perfect router would reach, FFN-wise).
 """
@@ -40,11 +42,9 @@ GENRES = {"shakespeare": CORPORA / "tinyshakespeare" / "train.txt",
           "war_and_peace": CORPORA / "war_and_peace" / "calib_train_200k.txt"}
 VALID = {g: CORPORA / d / "valid.txt" for g, d in (("shakespeare", "tinyshakespeare"), ("wikitext2", "wikitext2"),
                                                    ("war_and_peace", "war_and_peace"))}
-CALIB = {g: CORPORA / d / "calib_train_200k.txt" for g, d in (("shakespeare", "tinyshakespeare"),
-                                                            ("wikitext2", "wikitext2"),
-                                                            ("war_and_peace", "war_and_peace"))}
 PROMPTS_PER_GENRE = 4
 PROMPT_CHARS = 300
+ROUTER_TEXT_CHARS = 12_000  # --router-text: about 2,600 tokens of each genre, past the fine-tune's (2,048 read)
 
 
 def prompts_of(path: Path, skip_chars: int) -> list[str]:
@@ -143,8 +143,12 @@ def main() -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n")
 
+    earlier = json.loads(args.json.read_text()) if args.json.is_file() else {}
+    same = all(earlier.get(k) == result[k] for k in ("base", "ft_tokens", "eval_tokens", "prompts"))
+    done = {r["command"]: r for r in earlier.get("rows", []) if same and r.get("command")}
     for name, path in [("base", args.base)] + [(f"fine-tune {g}", p) for g, p in experts.items()]:
-        result["rows"].append({"model": name, "scores": score(path, valid, None)})
+        old = next((r for r in earlier.get("rows", []) if same and r["model"] == name), None)
+        result["rows"].append(old or {"model": name, "scores": score(path, valid, None)})
         save()
     moeify = str(ROOT / ".venv" / "bin" / "moeify")
     runs = []
@@ -157,14 +161,23 @@ def main() -> None:
     cfg = args.work / "hidden.yml"
     runs.append(("moeify merge --config --gate-mode router_input",
                  [moeify, "merge", "{out}", "--config", str(cfg), "--gate-mode", "router_input"]))
+    router_text = {}  # each genre's text past the fine-tune's tokens (the same region its prompts come from)
+    for g in GENRES:
+        router_text[g] = args.work / f"router-text-{g}.txt"
+        router_text[g].write_text(GENRES[g].read_text()[skip[g]:skip[g] + ROUTER_TEXT_CHARS])
     runs.append(("moeify merge --router-text (2,048 tokens a genre)",
                  [moeify, "merge", "{out}", *map(str, experts.values()), "--base", str(args.base), "--top-k", "1",
-                  "--dtype", "float32", *sum((["--router-text", str(CALIB[g])] for g in GENRES), [])]))
+                  "--dtype", "float32", *sum((["--router-text", str(router_text[g])] for g in GENRES), [])]))
     for i, (name, cmd) in enumerate(runs):
+        command = " ".join(cmd).replace(str(ROOT) + "/", "")
+        if command in done:  # measured by an earlier run of this script with the same command
+            result["rows"].append(done[command])
+            save()
+            continue
         out = args.work / f"merge-{i}"
         subprocess.run(["rm", "-rf", str(out)], check=True)
         run = timed([c.replace("{out}", str(out)) for c in cmd])
-        row = {"model": name, "command": " ".join(cmd).replace(str(ROOT) + "/", ""), **run,
+        row = {"model": name, "command": command, **run,
                "scores": score(out, valid, own)}
         result["rows"].append(row)
         save()
