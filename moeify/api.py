@@ -309,7 +309,8 @@ def merge(sources: Sequence[str | Path] | None, out: str | Path, *, config: str 
           base: str | Path | None = None, granularity: int = 1, top_k: int | None = None, attention: str = "base",
           gate_mode: str | None = None, router_text: Sequence[str | Path] | None = None, router_tokens: int = 2048,
           overwrite: bool = False, progress: Progress | None = None, check_text: Sequence[str | Path] | None = None,
-          check_tokens: int = 512, allow_pickle: bool = False, force: bool = False, **settings) -> dict:
+          check_tokens: int = 512, allow_pickle: bool = False, force: bool = False,
+          on_plan: Callable[[object], None] | None = None, **settings) -> dict:
     """One MoE from several fine-tunes of one base (folders or Hub ids, same shapes and tokenizer): each source's FFN
     one expert (or `granularity` slices), top_k of them a token (default: 2 sources' worth); attention, norms and
     embeddings the base's (default: the first source) or the sources' average (attention="average").
@@ -320,13 +321,16 @@ def merge(sources: Sequence[str | Path] | None, out: str | Path, *, config: str 
     router rows are made (moeify.merging.spec.GATE_MODES; default: the config's, router_input with router_text, else
     random).
     router_text: one text file per source, in order (gate mode router_input). settings: format, dtype, seed,
-    symmetry (default none), targets, max_shard_size, router_std. Returns report.json."""
+    symmetry (default none), targets, max_shard_size, router_std. on_plan: called with the plan
+    (moeify.upcycling.upcycle.UpcyclePlan: its layout, engine_notes) before anything is written. Returns report.json."""
     from .merging.merge import prepare_merge
 
     plan = prepare_merge(sources, out, config=config, base=base, granularity=granularity, top_k=top_k,
                          attention=attention, gate_mode=gate_mode, router_text=router_text,
                          router_tokens=router_tokens, overwrite=overwrite, allow_pickle=allow_pickle, force=force,
                          progress=progress, **settings)
+    if on_plan is not None:
+        on_plan(plan)
     return run_upcycle_plan(plan, out, overwrite=overwrite, progress=progress, check_text=check_text,
                             check_tokens=check_tokens)
 

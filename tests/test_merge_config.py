@@ -251,6 +251,23 @@ def test_a_shared_expert_of_the_base_beside_copies_of_it_reproduces_the_base(tmp
     assert max_logit_diff(base, tmp_path / "moe") <= 1e-4
 
 
+def test_the_cli_says_what_each_engine_makes_of_the_output(tmp_path, three):
+    """A Qwen MoE merge (top-2 of 2 routed experts beside the shared one) is computed as written by transformers
+    and vLLM, not by llama.cpp, whose qwen2moe never renormalises the top-k weights: the command says so before it
+    writes; a Mixtral merge of the same sources draws no note."""
+    base, ft1, _ = three
+    runner = CliRunner()
+    res = runner.invoke(app, ["merge", str(tmp_path / "qwen"), "--config",
+                              str(shared_yaml(tmp_path / "qwen.yml", base, [base, ft1], base))])
+    assert res.exit_code == 0, res.output
+    notes = [ln for ln in res.output.splitlines() if ln.startswith("llama.cpp:")]
+    assert len(notes) == 1 and "never renormalises the top-k weights" in notes[0], res.output
+    assert "serve it with transformers or vLLM" in notes[0]
+    res = runner.invoke(app, ["merge", str(tmp_path / "mixtral"), str(base), str(ft1)])
+    assert res.exit_code == 0, res.output
+    assert not [ln for ln in res.output.splitlines() if ln.startswith(("llama.cpp:", "vllm:"))], res.output
+
+
 def test_a_shared_expert_from_another_source_is_its_whole_ffn_scaled(tmp_path, three):
     base, ft1, ft2 = three
     cfg = shared_yaml(tmp_path / "moe.yml", base, [base, ft1], ft2, extra="residual_scale: 0.5")

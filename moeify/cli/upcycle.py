@@ -44,6 +44,11 @@ def _print_plan(out_console, plan, out: Path) -> None:
            "noise": f"noise: {s.noise_scale:g} x each matrix's std, not exact"}[s.symmetry]
     t.add_row("symmetry", sym)
     out_console.print(t)
+    _print_notes(out_console, plan)
+
+
+def _print_notes(out_console, plan) -> None:
+    """What each engine says of the planned output (moeify.formats.engines), one line a note."""
     for n in plan.engine_notes:
         colour = "red" if n.fails else "yellow"
         out_console.print(f"[{colour}]{escape(n.engine)}:[/] {escape(n.what)} ({escape(n.fix)})", highlight=False,
@@ -224,14 +229,15 @@ def merge_cmd(
     from ..api import merge
 
     try:
+        shown = tables(json_dest)
         with progress_bars() as bar:
             report = merge([str(s) for s in sources or []], out, config=config,
                            base=None if base is None else str(base), granularity=granularity, top_k=top_k,
                            attention=attention, gate_mode=gate_mode, router_text=router_text,
                            router_tokens=router_tokens, format=format, dtype=dtype, max_shard_size=max_shard_size,
                            seed=seed, check_text=check_text, allow_pickle=allow_pickle, overwrite=overwrite,
-                           progress=stage_callback(bar))
-        _print_result(tables(json_dest), report, out, json_dest)
+                           progress=stage_callback(bar), on_plan=lambda plan: _print_notes(shown, plan))
+        _print_result(shown, report, out, json_dest)
     except MoeifyError as exc:
         fail(exc)
     except KeyboardInterrupt:

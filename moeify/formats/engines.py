@@ -44,10 +44,11 @@ def engine_notes(fmt: str, top_k: int, experts: int, shared_width: int, padded_w
     """What each engine says of a planned layout (empty: every engine runs it as well as its width allows).
     qkv_bias: the source has q/k/v biases (Qwen2), so Mixtral is no way out. renormalised: a Qwen2-MoE written with
     norm_topk_prob true (an upcycle), which llama.cpp's qwen2moe does not honour. upcycle: "upcycle" or "merge", whose
-    flags the fixes then name (--shared-width, --granularity; a merge has no shared expert), not convert's."""
+    flags the fixes then name (--shared-width, --granularity; a merge's shared expert is its YAML's shared_experts),
+    not convert's."""
     notes = []
     mixtral = "" if qkv_bias else "use --format mixtral or "
-    shared_fix = {"upcycle": "--shared-width W", "merge": "serve it with transformers: a merge has no shared expert"
+    shared_fix = {"upcycle": "--shared-width W", "merge": "name one in the YAML's shared_experts"
                   }.get(upcycle or "", "--shared S")
     if fmt == "qwen2_moe" and renormalised:
         notes.append(EngineNote("llama.cpp", True, "its qwen2moe never renormalises the top-k weights (it ignores "
