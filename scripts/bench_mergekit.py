@@ -7,7 +7,7 @@ torch first so that mergekit's `torch>=2.0.0` pulls no CUDA wheels):
     out/mergekit-venv/bin/pip install mergekit==0.1.5      # transformers>=5,<6 (has Qwen2Moe, Qwen3Moe)
 
     python scripts/bench_mergekit.py --rows exactness --json results/upcycling/mergekit-parity-exactness.json
-    python scripts/bench_mergekit.py --rows speed --json results/upcycling/mergekit-parity-speed.json   # idle
+    python scripts/bench_mergekit.py --rows speed --repeat 3 --json results/upcycling/mergekit-parity-speed.json  # idle
 
 Rows:
 - exactness: where a merge is defined to compute its base (every expert the base's own FFN), does the output? Per
@@ -39,8 +39,9 @@ Rows:
     python -m venv build/llvenv && build/llvenv/bin/pip install xllamacpp
     nice -n 10 python scripts/bench_mergekit.py --rows llamacpp --json results/upcycling/mergekit-parity-llamacpp.json
 
-- speed: SmolLM2-135M × 8 and Qwen2.5-Coder-0.5B × 4 (every expert the base, gate_mode random, bfloat16), one run
-  of each tool each: wall seconds and peak RSS of the child (GNU time), moeify's end-of-run check included.
+- speed: SmolLM2-135M × 8 and Qwen2.5-Coder-0.5B × 4 (every expert the base, gate_mode random, bfloat16), each
+  tool --repeat times in turn after a warm-up run of each: median wall seconds and peak RSS of the child (GNU time),
+  moeify's end-of-run check included, and the median of the paired ratios moeify / mergekit.
 - routing: scripts/bench_merge_routing.py (three SmolLM2 fine-tunes, the same prompts, both tools).
 """
 
@@ -49,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -362,7 +364,11 @@ def make_tokenizer(out: Path, text: str) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(out)
 
 
-def speed_rows(work: Path, save, venv: Path = VENV) -> list[dict]:
+def speed_rows(work: Path, save, venv: Path = VENV, repeat: int = 1) -> list[dict]:
+    """Each tool on each model's YAML, `repeat` times in turn (mergekit-moe, moeify merge, mergekit-moe, ...) after
+    one warm-up run of each that is not counted: a row per tool with the median wall seconds and peak RSS, every
+    run's figures, and (on moeify's row) the median of the paired ratios moeify / mergekit (the pairing keeps the
+    ratio meaningful when the machine's speed drifts)."""
     rows = []
     for model, n in ((ROOT / "models" / "smollm2-135m", 8), (ROOT / "models" / "qwen2.5-coder-0.5b", 4)):
         arch = "qwen" if "qwen" in model.name else "mixtral"
@@ -372,14 +378,27 @@ def speed_rows(work: Path, save, venv: Path = VENV) -> list[dict]:
         if arch == "qwen":  # mergekit's Qwen MoE output needs its shared expert
             lines += ["shared_experts:", f"  - source_model: {model}"]
         cfg.write_text("\n".join(lines) + "\n")
+        runs = {tool: [] for tool in commands(cfg, work / "out", venv)}
+        for i in range(repeat + (repeat > 1)):  # the first of several runs warms the page cache, not counted
+            for tool, cmd in commands(cfg, work / "out", venv).items():
+                shutil.rmtree(work / "out", ignore_errors=True)
+                run = timed(cmd)
+                if i or repeat == 1:
+                    runs[tool].append(run)
+                print(f"{model.name:<22} {tool:<13} {run['seconds']:7.1f} s {run['peak_rss_gb']:6.2f} GB"
+                      f"{'' if i or repeat == 1 else ' (warm-up)'}", flush=True)
+        output_gb = round(sum(f.stat().st_size for f in (work / "out").glob("*.safetensors")) / 1e9, 3)
         for tool, cmd in commands(cfg, work / "out", venv).items():
-            shutil.rmtree(work / "out", ignore_errors=True)
-            row = {"model": model.name, "experts": n, "tool": tool,
-                   "command": " ".join(cmd).replace(str(ROOT) + "/", ""), **timed(cmd)}
-            row["output_gb"] = round(sum(f.stat().st_size for f in (work / "out").glob("*.safetensors")) / 1e9, 3)
+            row = {"model": model.name, "experts": n, "tool": tool, "command": " ".join(cmd).replace(str(ROOT) + "/",
+                                                                                                     ""),
+                   "seconds": statistics.median(r["seconds"] for r in runs[tool]),
+                   "peak_rss_gb": statistics.median(r["peak_rss_gb"] for r in runs[tool]), "output_gb": output_gb,
+                   "runs": runs[tool]}
+            if tool == "moeify merge":
+                row["seconds_over_mergekit"] = round(statistics.median(
+                    a["seconds"] / b["seconds"] for a, b in zip(runs[tool], runs["mergekit-moe"])), 3)
             rows.append(row)
             save(rows)
-            print(f"{model.name:<22} {tool:<13} {row['seconds']:7.1f} s {row['peak_rss_gb']:6.2f} GB", flush=True)
     return rows
 
 
@@ -408,6 +427,8 @@ def main() -> None:
     ap.add_argument("--llamacpp-work", type=Path, default=ROOT / "build" / "llamacpp",
                     help="the llama-cpp-python sdist (its llama.cpp's converter) and the converter's venv")
     ap.add_argument("--mergekit-venv", type=Path, default=VENV, help="mergekit's own venv, made here when missing")
+    ap.add_argument("--repeat", type=int, default=1, help="speed rows: runs of each tool, in turn, after a warm-up "
+                    "run of each (the medians and the paired ratio reported)")
     ap.add_argument("--json", type=Path, required=True)
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -436,7 +457,8 @@ def main() -> None:
         rows = llamacpp_rows(args.work, save, args.mergekit_venv, args.llamacpp_python, args.llamacpp_work)
         print(llamacpp_table(rows))
         return
-    rows = (exactness_rows if args.rows == "exactness" else speed_rows)(args.work, save, args.mergekit_venv)
+    rows = exactness_rows(args.work, save, args.mergekit_venv) if args.rows == "exactness" else \
+        speed_rows(args.work, save, args.mergekit_venv, args.repeat)
     if args.rows == "exactness" and args.vllm_python.is_file():
         vllm_columns(rows, args.work, args.vllm_python)
         save(rows)

@@ -408,3 +408,25 @@ def test_kl_to_the_reference_equals_a_direct_computation(models, text_file):
     assert moe.kl == pytest.approx(total / n, rel=1e-3)
     off = evaluate([dense_path, moe_path], text_file, EvalSettings(seq_len=SEQ, max_tokens=MAX_TOKENS, kl=False))
     assert off.models[1].kl is None
+
+
+@pytest.mark.parametrize("content,needle", [
+    (b'{"text": "a"}\n{"txt": "b"}\n', ":2 is not a JSON object with a string 'text' field"),
+    (b'{"text": "a"}\nnot json\n', ":2 is not valid JSON"),
+    (b"\xff\xfe text", "cannot be read: not UTF-8 text"),
+])
+def test_evaluation_and_calibration_text_is_read_by_one_reader(tmp_path, content, needle):
+    """--data and --calib files go through formats.text.read_documents: the same refusals, each naming its flag."""
+    from moeify.errors import MoeifyError
+    from moeify.formats.text import read_text, read_texts
+
+    f = tmp_path / ("data.jsonl" if content.startswith(b"{") else "data.txt")
+    f.write_bytes(content)
+    with pytest.raises(MoeifyError, match=f"^--data {f}"):
+        read_text(f)
+    with pytest.raises(MoeifyError, match=f"^calibration file {f}") as raised:
+        read_texts([f])
+    assert needle in str(raised.value)
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"text": "one"}\n\n{"text": "two"}\n')
+    assert read_text(good)[0] == read_texts([good]) == "one\n\ntwo"

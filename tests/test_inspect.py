@@ -292,7 +292,7 @@ def test_default_output_dir_is_inside_the_checkpoint(models, tmp_path):
     (["{dense}"], "cannot be inspected"),
     (["{mixtral}", "--layers", "7"], "--layers 7 is not an MoE layer"),
     (["{mixtral}", "--layers", "a,b"], "not a comma-separated list"),
-    (["{mixtral}", "--data", "{root}/missing.txt"], "is not a file"),
+    (["{mixtral}", "--data", "{root}/missing.txt"], "missing.txt not found"),
     (["{mixtral}", "--data", "{text}", "--max-tokens", "1"], "--max-tokens must be ≥ 2"),
     (["{mixtral}", "--dense", "{qwen}"], "already a Mixture-of-Experts"),
 ])

@@ -332,36 +332,27 @@ def capture_moe_inputs(model, layers: tuple[int, ...], ids: torch.Tensor) -> dic
 
 
 def read_text(data: Path, max_tokens: int) -> str:
+    """--data of `inspect` (moeify.formats.text.read_text), after --max-tokens is checked."""
+    from ..formats.text import read_text as read_data
+
     if max_tokens < 2:
         raise MoeifyError(f"--max-tokens must be ≥ 2, got {max_tokens}")
-    if not data.is_file():
-        raise MoeifyError(f"--data {data} is not a file", "pass a UTF-8 text file")
-    try:
-        text = data.read_text()
-    except UnicodeDecodeError:
-        raise MoeifyError(f"--data {data} is not UTF-8 text") from None
-    if not text.strip():
-        raise MoeifyError(f"--data {data} is empty")
-    return text
+    return read_data(data)[0]
 
 
 def dynamic_analysis(path: str | Path, data: str | Path, max_tokens: int = 512, layers: str | None = None,
                      progress: Progress | None = None) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.activations import ACT2FN
 
-    from ..formats.text import encode_text
+    from ..formats.text import encode_text, load_tokenizer
 
     path, data = Path(path), Path(data)
     reader = CheckpointReader(path)
     layout = read_layout(path, reader)
     todo = parse_layers(layers, layout)
     text = read_text(data, max_tokens)
-    try:
-        tok = AutoTokenizer.from_pretrained(path)
-    except Exception as exc:  # transformers raises many types for missing/bad tokenizer files
-        raise MoeifyError(f"{path} has no usable tokenizer ({type(exc).__name__})",
-                          "copy the tokenizer files of the source checkpoint into it") from None
+    tok = load_tokenizer(path)
     ids = torch.tensor([encode_text(tok, text)[:max_tokens]], dtype=torch.long)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     limit = getattr(model.config, "max_position_embeddings", None)

@@ -21,49 +21,58 @@ SAMPLE_NAMES = ("sample", "bundled")  # `--data sample` / `--eval sample` mean t
 # ---------------------------------------------------------------------------------------------- data
 
 
-def read_text(data: str | Path | None) -> tuple[str, str]:
-    """(text, label) of `--data`: .jsonl (one JSON object per line with a `text` field) or plain UTF-8 text.
-
-    None (or 'sample') is the bundled WikiText-2 validation sample.
-    """
-    if data is None or (str(data) in SAMPLE_NAMES and not Path(data).exists()):
-        return SAMPLE.read_text(encoding="utf-8"), f"bundled sample ({SAMPLE.name})"
-    path = Path(data)
-    if not path.is_file():
-        raise MoeifyError(f"--data {path}: no such file",
-                          "give a .txt or .jsonl file, or omit --data for the bundled sample")
+def read_documents(path: Path, what: str, hint: str) -> str:
+    """The text of one file: plain UTF-8 text, or a .jsonl file's `text` fields (one JSON object a line) joined by
+    blank lines. what: how errors name it ("--data", "calibration file"); hint: what to do about a missing or
+    unreadable file. The one reader of text files (evaluation data, calibration, router and check text)."""
+    path = Path(path)
     try:
         raw = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise MoeifyError(f"{what} {path} not found", hint) from None
     except UnicodeDecodeError as exc:
-        raise MoeifyError(f"--data {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    if path.suffix.lower() == ".jsonl":
-        docs = []
-        for n, line in enumerate(raw.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise MoeifyError(f"--data {path}:{n} is not valid JSON ({exc.msg})") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                raise MoeifyError(f"--data {path}:{n} has no string 'text' field",
-                                  "each line must be {\"text\": \"...\"}")
-            docs.append(obj["text"])
-        raw = "\n\n".join(d for d in docs if d.strip())
+        raise MoeifyError(f"{what} {path} cannot be read: not UTF-8 text ({exc.reason} at byte {exc.start})",
+                          hint) from None
+    except OSError as exc:
+        raise MoeifyError(f"{what} {path} cannot be read ({exc.__class__.__name__})", hint) from None
+    if path.suffix.lower() != ".jsonl":
+        return raw
+    docs = []
+    for n, line in enumerate(raw.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise MoeifyError(f"{what} {path}:{n} is not valid JSON ({exc.msg})",
+                              "each line must be {\"text\": \"...\"}") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            raise MoeifyError(f"{what} {path}:{n} is not a JSON object with a string 'text' field",
+                              "each line must be {\"text\": \"...\"}")
+        docs.append(obj["text"])
+    return "\n\n".join(d for d in docs if d.strip())
+
+
+def read_text(data: str | Path | None) -> tuple[str, str]:
+    """(text, label) of `--data` (read_documents). None (or 'sample') is the bundled WikiText-2 validation sample."""
+    if data is None or (str(data) in SAMPLE_NAMES and not Path(data).exists()):
+        return SAMPLE.read_text(encoding="utf-8"), f"bundled sample ({SAMPLE.name})"
+    raw = read_documents(Path(data), "--data", "give a readable UTF-8 .txt or .jsonl file, or omit --data for the "
+                         "bundled sample")
     if not raw.strip():
-        raise MoeifyError(f"--data {path} is empty (no text to evaluate)", "give a file with text in it")
-    return raw, str(path)
+        raise MoeifyError(f"--data {data} is empty (no text to evaluate)", "give a file with text in it")
+    return raw, str(data)
 
 
-def load_tokenizer(path: Path):
+def load_tokenizer(path: Path, hint: str = "copy the source model's tokenizer files (tokenizer.json, "
+                   "tokenizer_config.json) into it"):
+    """A checkpoint's own tokenizer: its local files only, never remote code. The one tokenizer loader."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as exc:  # transformers raises OSError/ValueError/TypeError depending on what is missing
-        raise MoeifyError(f"{path}: cannot load a tokenizer ({first_line(exc)})",
-                          "copy the source model's tokenizer files (tokenizer.json, tokenizer_config.json) "
-                          "into it") from None
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    except Exception as exc:  # noqa: BLE001 - transformers raises OSError/ValueError/TypeError for what is missing
+        raise MoeifyError(f"{path}: cannot load a tokenizer ({first_line(exc)})", hint) from None
 
 
 def check_same_tokenizer(ref, ref_path: Path, tok, path: Path, probe: str) -> None:
@@ -109,27 +118,9 @@ def tokenize(tokenizer, text: str, max_tokens: int | None = None) -> torch.Tenso
 
 
 def read_texts(files: list[str | Path]) -> str:
-    """Concatenate .txt files and the `text` fields of .jsonl files."""
-    parts = []
-    for f in files:
-        path = Path(f)
-        try:
-            raw = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise MoeifyError(f"calibration file {path} not found", "pass existing .txt or .jsonl files to --calib") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise MoeifyError(f"calibration file {path} cannot be read ({exc.__class__.__name__})",
-                              "pass readable UTF-8 .txt or .jsonl files to --calib") from None
-        if path.suffix == ".jsonl":
-            for n, line in enumerate(raw.splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    parts.append(str(json.loads(line)["text"]))
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    raise MoeifyError(f"{path}:{n} is not a JSON object with a 'text' field") from None
-        else:
-            parts.append(raw)
+    """Calibration (or router, check) text: the files' documents (read_documents) joined by blank lines."""
+    parts = [read_documents(Path(f), "calibration file", "pass existing, readable UTF-8 .txt or .jsonl files to "
+                            "--calib") for f in files]
     text = "\n\n".join(parts)
     if not text.strip():
         raise MoeifyError(f"calibration data in {', '.join(map(str, files))} is empty", "pass files with English text")
@@ -137,15 +128,9 @@ def read_texts(files: list[str | Path]) -> str:
 
 
 def source_tokenizer(src_path: Path):
-    """The checkpoint's own tokenizer (local files only, no remote code)."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(src_path), local_files_only=True, trust_remote_code=False)
-    except Exception as exc:  # noqa: BLE001 - transformers raises many types for a missing tokenizer
-        raise MoeifyError(f"{src_path} has no usable tokenizer ({exc.__class__.__name__})",
-                          "calibration needs the checkpoint's tokenizer files (tokenizer.json): copy them into it, or "
-                          "pass --weight-only to carve from the weights alone") from None
+    """The checkpoint's own tokenizer for calibration (load_tokenizer, with calibration's way out)."""
+    return load_tokenizer(src_path, "calibration needs the checkpoint's tokenizer files (tokenizer.json): copy them "
+                          "into it, or pass --weight-only to carve from the weights alone")
 
 
 def text_windows(src_path: Path, files: list[str | Path], seq_len: int) -> torch.Tensor:
