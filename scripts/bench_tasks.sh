@@ -18,6 +18,9 @@
 #                  compute), beside the preset and its seed-1 twin (~4 min carving + ~12 min of tasks)
 #   qwen05-1000    Qwen2.5-Coder-0.5B, the 50% preset (its file written), then its seed-1 twin beside it, first
 #                  1,000 items (~25 min of carving + ~2 h of tasks)
+#   qwen05-dense-layers  the 0.5B's 50% preset with its 2 most sensitive layers kept dense and top-7 of 28 elsewhere
+#                  (equal compute: 49.3% active on average), beside the preset and its twin (~12 min + ~30 min)
+#   qwen05-active75  the 0.5B's active-75 preset training-free beside the 50% one (~12 min + ~30 min)
 # Run it alone (nice is fine): tuning and scoring share nothing with other jobs but the cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -100,8 +103,27 @@ for step in ${*:-smollm2-262k}; do
       .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/qwen05-a50 out/qwen05-a50-seed1 \
         --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
         --out results/quality/tasks-qwen05-trainingfree-1000.json ;;
+    qwen05-dense-layers)  # lever 1 on the second size: 2 dense layers of 24 (auto:2), shared 10 + top-7 of 28 routed
+      # of 38 slices elsewhere ((2 + 22 x 17/38) / 24 = 49.3% average active, the preset 50.0%)
+      carve models/qwen2.5-coder-0.5b out/qwen05-a50 50
+      carve models/qwen2.5-coder-0.5b out/qwen05-a50-seed1 50 --seed 1
+      sed -e 's/^targets = .*/targets = ["transformers", "vllm"]/' configs/active-50.toml \
+        > out/levers/active-50-dense_layers-auto2-top7.toml
+      carve models/qwen2.5-coder-0.5b out/qwen05-a50-dense2 out/levers/active-50-dense_layers-auto2-top7 \
+        --dense-layers auto:2 --top-k 7
+      .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/qwen05-a50 out/qwen05-a50-seed1 \
+        out/qwen05-a50-dense2 --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
+        --out results/quality/tasks-qwen05-dense-layers-1000.json ;;
+    qwen05-active75)  # the active-75 preset on the second size, beside the 50% preset and its twin (answers cached)
+      carve models/qwen2.5-coder-0.5b out/qwen05-a50 50
+      carve models/qwen2.5-coder-0.5b out/qwen05-a50-seed1 50 --seed 1
+      carve models/qwen2.5-coder-0.5b out/qwen05-a75 75
+      .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/qwen05-a50 out/qwen05-a50-seed1 \
+        out/qwen05-a75 --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
+        --out results/quality/tasks-qwen05-active75-1000.json ;;
     *) echo "bench_tasks.sh: unknown step $step (smollm2-262k, qwen05-free, qwen05-262k, smollm2-1000," \
-         "smollm2-contribution, smollm2-active75, smollm2-dense-layers, qwen05-1000)" >&2
+         "smollm2-contribution, smollm2-active75, smollm2-dense-layers, qwen05-1000, qwen05-dense-layers," \
+         "qwen05-active75)" >&2
        exit 2 ;;
   esac
 done

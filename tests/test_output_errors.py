@@ -18,7 +18,8 @@ from conftest import build_dense, tree_hash
 from moeify.formats.checkpoint import PARTIAL_SUFFIX
 from moeify.cli.app import app
 from moeify.errors import MoeifyError
-from moeify.formats.writer import ShardWriter, output_errors
+from moeify.formats.output import output_errors
+from moeify.formats.writer import ShardWriter
 from test_reliability import assert_refused
 
 

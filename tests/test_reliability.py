@@ -381,7 +381,7 @@ def test_not_enough_free_space(tmp_path, source, monkeypatch):
 
 def test_enough_free_space_counts_the_output(tmp_path, source, monkeypatch):
     """The check compares with the planned output size plus margin, not a fixed number."""
-    from moeify.formats.writer import FREE_SPACE_MARGIN
+    from moeify.formats.output import FREE_SPACE_MARGIN
 
     Usage = namedtuple("Usage", "total used free")
     out_bytes = sum(t.numel() * 2 for t in load_file(str(source / "model.safetensors")).values())  # ~ output

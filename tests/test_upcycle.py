@@ -97,7 +97,7 @@ def test_drop_upcycling_breaks_exactness_on_purpose_and_says_by_how_much(tmp_pat
 def test_a_large_output_is_checked_from_regenerated_experts_with_the_same_result(tmp_path, monkeypatch):
     src = build_dense(tmp_path / "dense")
     read = upcycle(src, tmp_path / "read", copies=4, top_k=2, symmetry="noise")["check"]
-    monkeypatch.setattr("moeify.upcycling.upcycle.READ_BACK_BYTES", 0)
+    monkeypatch.setattr("moeify.upcycling.check.READ_BACK_BYTES", 0)
     regen = upcycle(src, tmp_path / "regen", copies=4, top_k=2, symmetry="noise")["check"]
     assert read["experts_read_back"] and not regen["experts_read_back"]
     assert regen["kl_to_source"] == pytest.approx(read["kl_to_source"], rel=1e-5)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import json
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -19,8 +18,7 @@ from safetensors.torch import load_file
 
 from ..version import __version__
 from ..maths.budget import Budget, carve_budget, padded_width
-from ..formats.checkpoint import DTYPE_NAMES, PARTIAL_SUFFIX, SPILL_DIR, CheckpointReader, TensorInfo, check_links
-from ..formats.card import copy_licence, write as write_card
+from ..formats.checkpoint import DTYPE_NAMES, SPILL_DIR, CheckpointReader, TensorInfo, check_links
 from ..formats.config import ConvertConfig, config_to_dict, config_to_toml
 from ..errors import MoeifyError
 from ..maths.numerics import release_memory
@@ -30,9 +28,8 @@ from ..maths.router import SHARED_GATE_MIN, shared_gate_value
 from ..formats.families import (TOKENIZER_FILES, SourceModel, attention_infos, check_source_tensors,
                        ffn_tensor_names, load_source, target_config)
 from ..maths.partition import valid_expert_counts
-from ..formats.writer import (LOCK_NAME, WRITE_AHEAD_BYTES, BackgroundWriter, ShardLayout, ShardWriter, check_free_space,
-                     check_output_path, check_written, commit_output, output_errors, prepare_output, write_attention,
-                     write_head)
+from ..formats.output import LOCK_NAME, commit_output, staged_output, write_metadata, write_shards
+from ..formats.writer import ShardLayout, ShardWriter, write_attention, write_head
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
@@ -237,7 +234,6 @@ def run_conversion(plan: ConversionPlan, out: str | Path, *, overwrite: bool = F
 
     out = Path(out)
     src = plan.src
-    check_output_path(out, overwrite, src.path)
     tune = bool(plan.cfg.tune_tokens) and plan.cfg.top_k < plan.cfg.experts
     refuse_leftover_state(out, src.path, overwrite)
     if tune and memory_check:  # before calibration, not after it
@@ -248,42 +244,11 @@ def run_conversion(plan: ConversionPlan, out: str | Path, *, overwrite: bool = F
                    min(plan.cfg.calib_seq_len, int(src.raw.get("max_position_embeddings") or plan.cfg.calib_seq_len)))
     spill = src.n_layers * src.hidden * src.d_ff * plan.out_dtype.itemsize if plan.cfg.compensate else 0
     # tuning holds the carve and writes the tuned output beside it
-    check_free_space(out, plan.output_bytes * (2 if tune else 1) + spill, overwrite)
-    with output_errors(out):
-        tmp = prepare_output(out, overwrite, src.path)
-        plan, report = _write_carve(plan, out, tmp, tune, progress)
-    if tune:
-        release_memory()
-        report = tune_output(src.path, out, options_from_config(plan.cfg), base=state_dir(out) / "carved",
-                             device=plan.cfg.device, progress=progress, memory_check=False)  # checked above
-    return report
-
-
-def _write_carve(plan: ConversionPlan, out: Path, tmp: Path, tune: bool,
-                 progress: Progress | None) -> tuple[ConversionPlan, dict]:
-    """Carve into the temporary directory `tmp` and move it into place (OUT, or the tuning's carved base); on any
-    failure remove it. Returns the plan (its dense layers fixed by calibration) and the report."""
-    from ..tuning import state_dir
-
-    t0 = time.time()
-    writer = None
-    try:
-        carved: dict[int, CarvedLayer] = {}
-        calib_info = {}
-        if plan.cfg.needs_calibration:
-            from .calibrate import calibrate_and_carve
-
-            carved, calib_info, _ = calibrate_and_carve(plan, tmp, progress)
-            if plan.cfg.dense_auto:
-                plan = with_dense_layers(plan, calib_info["dense_layers"])
-        writer = BackgroundWriter(ShardWriter(tmp, plan.layout), max_pending=WRITE_AHEAD_BYTES)
-        layers_report = _write_tensors(plan, writer, carved, tmp, progress)
-        writer.finish()
-        plan.reader.close()
-        shutil.rmtree(tmp / SPILL_DIR, ignore_errors=True)
-        report = _write_metadata(plan, tmp, layers_report, time.time() - t0, calib_info)
-        check_written(tmp, plan.tensors)
-        _verify_structure(tmp)
+    with staged_output(out, overwrite, src.path, plan.output_bytes * (2 if tune else 1) + spill) as tmp:
+        try:
+            plan, report = _write_carve(plan, tmp, progress)
+        finally:
+            plan.reader.close()
         if tune:
             carved_dir = state_dir(out) / "carved"
             carved_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -291,15 +256,31 @@ def _write_carve(plan: ConversionPlan, out: Path, tmp: Path, tune: bool,
             tmp.rename(carved_dir)
         else:
             commit_output(tmp, out)
-        return plan, report
-    except BaseException:
-        if writer is not None:
-            writer.abort()
-        plan.reader.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    if tune:
+        release_memory()
+        report = tune_output(src.path, out, options_from_config(plan.cfg), base=state_dir(out) / "carved",
+                             device=plan.cfg.device, progress=progress, memory_check=False)  # checked above
+    return report
 
 
+def _write_carve(plan: ConversionPlan, tmp: Path, progress: Progress | None) -> tuple[ConversionPlan, dict]:
+    """Calibrate and carve, and write the carve into the temporary directory `tmp`, checked. Returns the plan (its
+    dense layers fixed by calibration) and the report."""
+    t0 = time.time()
+    carved: dict[int, CarvedLayer] = {}
+    calib_info = {}
+    if plan.cfg.needs_calibration:
+        from .calibrate import calibrate_and_carve
+
+        carved, calib_info, _ = calibrate_and_carve(plan, tmp, progress)
+        if plan.cfg.dense_auto:
+            plan = with_dense_layers(plan, calib_info["dense_layers"])
+    layers_report = write_shards(tmp, plan.layout, lambda writer: _write_tensors(plan, writer, carved, tmp, progress))
+    plan.reader.close()
+    shutil.rmtree(tmp / SPILL_DIR, ignore_errors=True)
+    report = _write_metadata(plan, tmp, layers_report, time.time() - t0, calib_info)
+    _verify_structure(tmp)
+    return plan, report
 
 
 def _write_tensors(plan: ConversionPlan, writer: ShardWriter, carved: dict[int, CarvedLayer], tmp: Path,
@@ -348,25 +329,18 @@ def _write_tensors(plan: ConversionPlan, writer: ShardWriter, carved: dict[int, 
 
 def _write_metadata(plan: ConversionPlan, tmp: Path, layers_report: list[dict], seconds: float,
                     calib_info: dict) -> dict:
-    (tmp / "config.json").write_text(json.dumps(plan.config_json, indent=2, sort_keys=True) + "\n")
-    for name in TOKENIZER_FILES:
-        f = plan.src.path / name
-        if f.is_file():
-            shutil.copyfile(f, tmp / name)
     provenance = {"moeify_version": __version__, "source": str(plan.src.path), "format": plan.fmt,
                   "expert_width": plan.expert_width, "padded_expert_width": plan.padded_width,
                   "shared_width": plan.shared_width,
                   "output_dtype": str(plan.out_dtype).removeprefix("torch.")}
     if calib_info:
         provenance["calib_tokens_used"] = calib_info["tokens"]
-    (tmp / "moeify.toml").write_text(config_to_toml(plan.cfg, provenance))
     b = plan.budget
     report = {**provenance, "settings": config_to_dict(plan.cfg),
               "total_params": b.total_params, "active_params": b.active_params, "ffn_flops_ratio": b.flops_ratio,
               "seconds": round(seconds, 3), "calibration": calib_info, "layers": layers_report}
-    (tmp / "report.json").write_text(json.dumps(report) + "\n")
-    copy_licence(plan.src.path, tmp)
-    write_card(tmp, name=tmp.name.removesuffix(PARTIAL_SUFFIX))
+    write_metadata(tmp, plan.src.path, report=report, toml=config_to_toml(plan.cfg, provenance),
+                   config_json=plan.config_json)
     return report
 
 

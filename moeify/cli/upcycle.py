@@ -157,7 +157,7 @@ def upcycle_cmd(
                                targets=None if target is None else ",".join(target), allow_pickle=allow_pickle,
                                force=force, weights=not dry_run)  # a dry run reads config.json alone
         if not dry_run:  # before the plan is printed: nothing to read on the way to this error
-            from ..formats.writer import check_output_path
+            from ..formats.output import check_output_path
 
             check_output_path(out, overwrite, plan.src.path)
         shown = tables(json_dest)

@@ -1,5 +1,5 @@
 """Checkpoint reading: a lazy safetensors reader, and the names, dtypes and tensor records reader and writer share
-(moeify.formats.writer writes: the streaming size-capped shard writer and the atomic output directory).
+(moeify.formats.writer writes the streaming size-capped shards, moeify.formats.output the atomic output directory).
 
 The reader reads headers only until a tensor is asked for, and keeps one shard open at a time (plus the read-ahead
 thread's). It checks every shard's header and length when it opens a checkpoint, refuses pickled weights unless

@@ -1,5 +1,5 @@
-"""Checkpoint writing: a streaming size-capped shard writer (and a background thread feeding it), and atomic
-output directories.
+"""Checkpoint writing: a streaming size-capped shard writer (and a background thread feeding it); the output
+directory it writes into is moeify.formats.output's.
 
 The writer knows every tensor's name, dtype and shape up front (the conversion plan), so it can lay out the shards
 and write each safetensors header before any data, then stream tensors one by one: the output is never held in
@@ -11,10 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shutil
-import socket
 import struct
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint import INDEX_NAME, PARTIAL_SUFFIX, TORCH_TO_ST, TensorInfo, is_inside
-from ..errors import MoeifyError
+from .checkpoint import INDEX_NAME, TORCH_TO_ST, TensorInfo
 
 
 # ----------------------------------------------------------------------------------------------- writing
@@ -285,165 +281,6 @@ class BackgroundWriter:
         self._drain()
         self.writer.abort()
 
-
-# ----------------------------------------------------------------------------------------- atomic output
-#
-# OUT is written as the sibling OUT.moeify-partial and renamed into place only when complete and checked, so OUT
-# either does not exist or is a finished checkpoint. The partial directory holds a lock file naming the writing
-# process; a partial directory whose writer is gone is a leftover (kill -9, power loss) that --overwrite removes.
-
-LOCK_NAME = ".moeify-writing"
-OLD_SUFFIX = ".moeify-old"
-FREE_SPACE_MARGIN = 64 * 2**20  # bytes, plus 1% of the output: metadata, tokenizer files, report.json
-
-
-def partial_dir(out: Path) -> Path:
-    return out.with_name(out.name + PARTIAL_SUFFIX)
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return str(n)
-
-
-def _dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
-
-
-def _lock_info(tmp: Path) -> dict:
-    try:
-        info = json.loads((tmp / LOCK_NAME).read_text())
-        return info if isinstance(info, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _live_writer(tmp: Path) -> int | None:
-    """The pid of a still-running moeify writing `tmp` on this machine, if any."""
-    info = _lock_info(tmp)
-    pid = info.get("pid")
-    if isinstance(pid, int) and pid != os.getpid() and info.get("host") == socket.gethostname() and _pid_alive(pid):
-        return pid
-    return None
-
-
-def describe_leftover(tmp: Path) -> str:
-    info = _lock_info(tmp)
-    parts = []
-    if "pid" in info:
-        parts.append(f"pid {info['pid']}")
-    if isinstance(info.get("started"), (int, float)):
-        parts.append("started " + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info["started"])))
-    parts.append(f"{_human(_dir_bytes(tmp))} written")
-    return ", ".join(parts)
-
-
-def check_output_path(out: Path, overwrite: bool, src: Path | None = None) -> None:
-    """Everything about OUT that can be checked before any work. Raises MoeifyError."""
-    out = Path(out)
-    tmp = partial_dir(out)
-    if src is not None:
-        if is_inside(out, src):
-            raise MoeifyError(f"output {out} is inside the source checkpoint {src}", "write the output elsewhere")
-        if is_inside(src, out):
-            raise MoeifyError(f"the source checkpoint {src} is inside the output {out}", "write the output elsewhere")
-    if out.exists() or out.is_symlink():
-        if not overwrite:
-            raise MoeifyError(f"output {out} already exists", "pass --overwrite to replace it, or choose another path")
-        if out.is_symlink() or not out.is_dir():
-            raise MoeifyError(f"output {out} exists and is not a directory; --overwrite only replaces a directory",
-                              "remove it yourself or choose another path")
-        if any(out.iterdir()) and not (out / "moeify.toml").is_file():
-            raise MoeifyError(f"output {out} is a non-empty directory that moeify did not write (no moeify.toml); "
-                              "--overwrite only replaces earlier moeify outputs", "remove it yourself or choose another path")
-    if tmp.exists() or tmp.is_symlink():
-        pid = _live_writer(tmp)
-        if pid is not None:
-            raise MoeifyError(f"another moeify (pid {pid}) is writing {out} right now, into {tmp}",
-                              "wait for it to finish, or stop it first")
-        if not overwrite:
-            raise MoeifyError(f"{tmp} is left over from an interrupted conversion ({describe_leftover(tmp)})",
-                              "pass --overwrite to remove it and start again, or delete it yourself")
-
-
-def check_free_space(out: Path, need_bytes: int, overwrite: bool = False) -> None:
-    """Refuse to start when OUT's filesystem cannot hold the estimated output (plus a margin)."""
-    out = Path(out).absolute()
-    probe = out.parent
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    tmp = partial_dir(out)
-    if overwrite and tmp.is_dir() and not tmp.is_symlink():
-        free += _dir_bytes(tmp)  # the leftover is removed first
-    need = need_bytes + need_bytes // 100 + FREE_SPACE_MARGIN
-    if free < need:
-        raise MoeifyError(f"not enough free space for {out}: the output needs about {_human(need)} "
-                          f"({_human(need_bytes)} of weights plus margin), {probe} has {_human(free)} free",
-                          "free some space or write the output to another disk")
-
-
-def prepare_output(out: Path, overwrite: bool, src: Path | None = None) -> Path:
-    """Check OUT, remove a leftover partial directory (with --overwrite), create the temporary sibling; return it."""
-    out = Path(out)
-    check_output_path(out, overwrite, src)
-    tmp = partial_dir(out)
-    if tmp.is_symlink() or tmp.is_file():
-        tmp.unlink()
-    elif tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    lock = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "output": str(out)}
-    try:
-        (tmp / LOCK_NAME).write_text(json.dumps(lock) + "\n")
-    except BaseException:
-        discard_output(tmp)
-        raise
-    return tmp
-
-
-def discard_output(tmp: Path) -> None:
-    """Remove the temporary directory after an error or interruption."""
-    shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _fsync_tree(path: Path) -> None:
-    for f in sorted(path.rglob("*")):
-        if f.is_file() and not f.is_symlink():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    _fsync_dir(path)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems do not support fsync on directories
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_attention(writer, reader, src, fmt: str, layer_idx: int, dtype: torch.dtype,
                     tuned: dict[str, torch.Tensor] | None = None) -> None:
     """Layer layer_idx's attention and norm weights (the source's, or `tuned` ones by name without `.weight`) and the
@@ -478,80 +315,3 @@ def check_written(out_dir: Path, tensors: list[TensorInfo]) -> None:
             raise RuntimeError(f"output check failed for {t.name}: planned {t.shape} {t.dtype}, wrote {got}")
     if len(written) != len(tensors):
         raise RuntimeError(f"output check failed: {len(written)} tensors written, {len(tensors)} planned")
-
-
-def commit_output(tmp: Path, out: Path) -> None:
-    """Move the finished temporary directory into place (replacing OUT when --overwrite).
-
-    Everything is fsync'ed first, so after the rename OUT is complete on disk even across a power loss.
-    """
-    (tmp / LOCK_NAME).unlink(missing_ok=True)
-    _fsync_tree(tmp)
-    if out.exists():
-        old = out.with_name(out.name + OLD_SUFFIX)
-        if old.exists():
-            shutil.rmtree(old)
-        out.rename(old)
-        try:
-            tmp.rename(out)
-        except BaseException:
-            old.rename(out)  # the earlier output back in place
-            raise
-        shutil.rmtree(old)
-    else:
-        tmp.rename(out)
-    _fsync_dir(out.parent)
-
-
-# ------------------------------------------------------------------------------- OS errors on the output side
-
-WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}  # raised by writes only, never by a read
-OUTPUT_ERRORS = {  # errno: (what went wrong, what to do)
-    errno.ENOSPC: ("no space left on the device", "free some space or write the output to another disk"),
-    errno.EDQUOT: ("the disk quota is used up", "free some space or write the output to another disk"),
-    errno.EFBIG: ("a file grew larger than the file system allows",
-                  "pass a smaller --max-shard-size, or write the output to another disk"),
-    errno.EROFS: ("the file system is read-only", "write the output to another disk"),
-    errno.EACCES: ("permission denied", "choose a folder you can write to, or get write permission on it"),
-    errno.EPERM: ("permission denied", "choose a folder you can write to, or get write permission on it"),
-}
-
-
-@contextmanager
-def output_errors(out: str | Path):
-    """An OSError while OUT is prepared, written and committed becomes one MoeifyError naming the path and what to
-    do; the caller inside has removed what it wrote by then. One of another path (a source file) passes through."""
-    try:
-        yield
-    except OSError as exc:
-        if not _on_output_side(Path(out), exc):
-            raise
-        raise output_error(Path(out), exc) from exc
-
-
-def _on_output_side(out: Path, exc: OSError) -> bool:
-    if exc.errno in WRITE_ERRNOS:
-        return True
-    out = Path(os.path.abspath(out))
-    return any(_is_output_path(out, name) for name in (exc.filename, exc.filename2) if name is not None)
-
-
-def _is_output_path(out: Path, name) -> bool:
-    """OUT, a parent of it, or inside OUT or one of its siblings OUT.moeify-* (partial, old, tune)."""
-    path = Path(os.path.abspath(os.fsdecode(name)))
-    if path in out.parents:
-        return True
-    top = path.relative_to(out.parent).parts[:1] if path.is_relative_to(out.parent) else ()
-    return bool(top) and (top[0] == out.name or top[0].startswith(out.name + ".moeify-"))
-
-
-def output_error(out: Path, exc: OSError) -> MoeifyError:
-    """The one-line error of an OSError on OUT's side: what failed, where, and what to do."""
-    where = os.fsdecode(exc.filename) if exc.filename is not None else str(out)
-    if exc.errno == errno.ENOTDIR:
-        blocker = next((p for p in reversed(Path(os.path.abspath(out)).parents) if p.exists() and not p.is_dir()),
-                       None)
-        return MoeifyError(f"the output {out} cannot be created: {blocker or where} is a file, not a directory",
-                           "choose an output path whose parent folders are directories")
-    what, hint = OUTPUT_ERRORS.get(exc.errno, (exc.strerror or str(exc), "check the output path and its disk"))
-    return MoeifyError(f"the output {out} could not be written: {what} ({where})", hint)

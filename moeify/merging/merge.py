@@ -261,7 +261,7 @@ def prepare_merge(sources, out: str | Path, *, config=None, base=None, granulari
     from ..formats.text import read_texts
     from ..formats.config import parse_size
     from ..upcycling.upcycle import check_windows
-    from ..formats.writer import check_output_path
+    from ..formats.output import check_output_path
 
     req = merge_request(sources, config=config, base=base, granularity=granularity, top_k=top_k,
                         gate_mode=gate_mode, router_text=router_text, settings=settings)

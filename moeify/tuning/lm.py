@@ -39,8 +39,8 @@ import torch
 
 from ..formats.checkpoint import CheckpointReader
 from ..errors import MoeifyError
-from ..formats.writer import (ShardLayout, ShardWriter, check_free_space, check_written, commit_output, output_errors,
-                      prepare_output)
+from ..formats.output import check_free_space, commit_output, output_errors, prepare_output
+from ..formats.writer import ShardLayout, ShardWriter, check_written
 from .lm_options import HOLD_OUT, TrainOptions, balance, is_trainable_output, load_summary, moe_shape
 from .lm_weights import planned, write_weights
 from .options import Progress

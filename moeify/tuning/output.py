@@ -11,19 +11,18 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import shutil
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..formats.checkpoint import PARTIAL_SUFFIX, CheckpointReader
-from ..formats.card import copy_licence, write as write_card
-from ..formats.writer import ShardLayout, ShardWriter
+from ..formats.checkpoint import CheckpointReader
+from ..formats.output import write_metadata, write_shards
+from ..formats.writer import ShardLayout
 from ..formats.config import ConvertConfig, build_config, config_to_toml
 from ..errors import MoeifyError
-from ..formats.families import BIAS_TENSORS, TOKENIZER_FILES, SourceModel, attention_tensors, ffn_tensor_names
+from ..formats.families import BIAS_TENSORS, SourceModel, attention_tensors, ffn_tensor_names
 from ..maths.partition import Partition
 
 @dataclass
@@ -140,53 +139,49 @@ def write_tuned(base: BaseOutput, reader: CheckpointReader, student, tmp: Path, 
                 report: dict, toml_tuning: dict) -> None:
     """The tuned output in `tmp`: the base's tensors, with every carved layer's experts and router (and, when
     trained, attention and norms) taken from the student, in the base's shard layout; config, tokenizer, and the
-    base's report.json / moeify.toml with the tuning history."""
-    from ..formats.experts import ffn_output_tensors
-    from ..maths.moe_block import MaskedMoE
-
-    cfg, fmt = base.cfg, base.fmt
+    base's report.json / moeify.toml with the tuning history (its card drawn from them; evaluation.json measured the
+    untuned model and is not kept)."""
     layout = _base_layout(reader)
     if layout.file_names() != sorted({reader.location(n)[0] for n in reader.tensors}):
         raise MoeifyError(f"{base.path}: its weight files are not named as moeify names them",
                           "tune an output written by moeify convert")
-    new: dict[str, torch.Tensor] = {}
-    writer = ShardWriter(tmp, layout)
-    order = [t for f in layout.files for t in f]
-    pending_layer = None
-    try:
-        for t in order:
-            if t.name.startswith("model.layers."):
-                i = int(t.name.split(".")[2])
-                if i != pending_layer:
-                    pending_layer, new = i, {}
-                    entry = base.report["layers"][i]
-                    mlp = student.model.layers[i].mlp
-                    if isinstance(mlp, MaskedMoE):
-                        out_dtype = reader.tensors[ffn_tensor_names(fmt, i, cfg.experts, False, cfg.shared > 0)[1]].dtype
-                        new = ffn_output_tensors(fmt, i, _partition(entry, cfg), mlp.exported_router().float().cpu(),
-                                                 mlp.gate.detach().cpu(), mlp.up.detach().cpu(), mlp.down.detach().cpu(),
-                                                 cfg, out_dtype, entry.get("shared_gate", 0.0))
-                    if train_attention:
-                        for name in attention_tensors(student.config.model_type):
-                            new[f"model.layers.{i}.{name}.weight"] = student.get_submodule(
-                                f"model.layers.{i}.{name}").weight.detach().cpu()
+
+    def fill(writer) -> None:
+        new: dict[str, torch.Tensor] = {}
+        pending_layer = None
+        for t in (t for f in layout.files for t in f):
+            if t.name.startswith("model.layers.") and int(t.name.split(".")[2]) != pending_layer:
+                pending_layer = int(t.name.split(".")[2])
+                new = _student_layer(base, reader, student, pending_layer, train_attention)
             value = new.pop(t.name, None)
             writer.write(t.name, (reader.get(t.name) if value is None else value).to(t.dtype))
-        writer.finish()
-    except BaseException:
-        writer.abort()
-        raise
-    (tmp / "config.json").write_text(json.dumps(base.config_json, indent=2, sort_keys=True) + "\n")
-    for name in TOKENIZER_FILES:
-        f = base.path / name
-        if f.is_file():
-            shutil.copyfile(f, tmp / name)
-    text = config_to_toml(cfg, base.provenance)
-    text += "\n[tuning]\n" + "\n".join(f"{k} = {json.dumps(v)}" for k, v in toml_tuning.items()) + "\n"
-    (tmp / "moeify.toml").write_text(text)
-    (tmp / "report.json").write_text(json.dumps(report) + "\n")
-    copy_licence(base.path, tmp)  # the base's copies of the source's licence files
-    write_card(tmp, name=tmp.name.removesuffix(PARTIAL_SUFFIX))  # (evaluation.json measured the untuned model: not kept)
+
+    write_shards(tmp, layout, fill, background=False)
+    toml = config_to_toml(base.cfg, base.provenance)
+    toml += "\n[tuning]\n" + "\n".join(f"{k} = {json.dumps(v)}" for k, v in toml_tuning.items()) + "\n"
+    write_metadata(tmp, base.path, report=report, toml=toml, config_json=base.config_json)
+
+
+def _student_layer(base: BaseOutput, reader: CheckpointReader, student, i: int,
+                   train_attention: bool) -> dict[str, torch.Tensor]:
+    """Layer i's tensors taken from the student, by output name: its experts and router in the base's format when
+    carved, its attention and norms when trained."""
+    from ..formats.experts import ffn_output_tensors
+    from ..maths.moe_block import MaskedMoE
+
+    cfg, fmt = base.cfg, base.fmt
+    new: dict[str, torch.Tensor] = {}
+    entry = base.report["layers"][i]
+    mlp = student.model.layers[i].mlp
+    if isinstance(mlp, MaskedMoE):
+        out_dtype = reader.tensors[ffn_tensor_names(fmt, i, cfg.experts, False, cfg.shared > 0)[1]].dtype
+        new = ffn_output_tensors(fmt, i, _partition(entry, cfg), mlp.exported_router().float().cpu(),
+                                 mlp.gate.detach().cpu(), mlp.up.detach().cpu(), mlp.down.detach().cpu(),
+                                 cfg, out_dtype, entry.get("shared_gate", 0.0))
+    if train_attention:
+        for name in attention_tensors(student.config.model_type):
+            new[f"model.layers.{i}.{name}.weight"] = student.get_submodule(f"model.layers.{i}.{name}").weight.detach().cpu()
+    return new
 
 
 def _check_written(tmp: Path, reader: CheckpointReader) -> None:

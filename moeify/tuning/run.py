@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..formats.checkpoint import CheckpointReader
-from ..formats.writer import check_free_space, commit_output, output_errors, prepare_output
+from ..formats.output import check_free_space, commit_output, output_errors, prepare_output
 from ..errors import MoeifyError
 from ..formats.families import SourceModel, load_source
 from ..maths.numerics import release_memory, resolve_device

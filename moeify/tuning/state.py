@@ -230,7 +230,7 @@ def _stop_on_signal(state: TuningState, notify: Callable[[str], None] | None):
 
 
 def _lock(root: Path) -> None:
-    from ..formats.writer import _pid_alive
+    from ..formats.output import _pid_alive
 
     f = root / "lock.json"
     try:

@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from ..formats.card import copy_licence, write as write_card
-from ..formats.checkpoint import DTYPE_NAMES, PARTIAL_SUFFIX, CheckpointReader, TensorInfo, check_links
+from ..formats.checkpoint import DTYPE_NAMES, CheckpointReader, TensorInfo, check_links
 from .copies import (BREAKS, SHARED_GATE_FACTOR, UpcycleLayout, add_noise, copy_expert, copy_orders, drop_count,
                      drop_reinit, group_router, matrix_stats, random_router, routed_neurons, shared_expert,
                      shared_neurons)
@@ -31,16 +30,13 @@ from ..formats.families import (TOKENIZER_FILES, SourceModel, attention_infos, c
 from ..maths.router import SHARED_GATE_MIN
 from ..version import __version__
 from ..formats.config import FORMATS
-from ..formats.writer import (WRITE_AHEAD_BYTES, BackgroundWriter, ShardLayout, ShardWriter, check_free_space,
-                     check_output_path, check_written, commit_output, output_errors, prepare_output, write_attention,
-                     write_head)
+from .check import check_output
+from ..formats.output import commit_output, staged_output, write_metadata, write_shards
+from ..formats.writer import ShardLayout, write_attention, write_head
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 # a merge's choices as report.json and moeify.toml record them (UpcyclePlan.summary)
 MERGE_KEYS = ("sources", "attention", "router", "residual_scales", "shared_source", "shared_scale", "shared_gate")
-CHECK_RTOL = 1e-3  # max |logit difference| allowed, relative to max |source logit| (as `moeify verify`)
-CHECK_SEQ = 32  # tokens of each of the 2 random sequences the check runs when the source has no tokenizer
-READ_BACK_BYTES = 16 << 30  # outputs up to this size are checked from the files; larger ones from regenerated experts
 # Training the output with AdamW in mixed precision holds, per parameter: bf16 weights and gradients (2 + 2), float32
 # master weights and two moments (4 + 4 + 4): 16 bytes, before activations (the usual estimate, e.g. ZeRO's paper).
 TRAIN_BYTES_PER_PARAM = 16
@@ -405,38 +401,39 @@ def run_upcycle(plan: UpcyclePlan, out: str | Path, *, overwrite: bool = False, 
     if plan.reader is None:
         raise MoeifyError(f"the plan of {src.path} was made from config.json alone (a dry run) and cannot be written",
                           "plan it with its weights (weights=True)")
-    check_output_path(out, overwrite, src.path)
-    check_free_space(out, plan.output_bytes, overwrite)
-    with output_errors(out):
-        tmp = prepare_output(out, overwrite, src.path)
-        return _write_output(plan, out, tmp, progress, check_ids)
-
-
-def _write_output(plan: UpcyclePlan, out: Path, tmp: Path, progress: Progress | None,
-                  check_ids: torch.Tensor | None) -> dict:
-    """Write into the temporary directory `tmp`, check it, move it into place; on any failure remove it."""
-    t0 = time.time()
-    writer = None
     try:
-        writer = BackgroundWriter(ShardWriter(tmp, plan.shards), max_pending=WRITE_AHEAD_BYTES)
-        layers = _write_tensors(plan, writer, progress)
-        writer.finish()
-        seconds = time.time() - t0
-        check_written(tmp, plan.tensors)
-        (tmp / "config.json").write_text(json.dumps(plan.config_json, indent=2, sort_keys=True) + "\n")
-        check = check_output(plan, tmp, progress, check_ids)
-        check["seconds"] = round(time.time() - t0 - seconds, 3)
-        report = _write_metadata(plan, tmp, layers, seconds, check)
-        commit_output(tmp, out)
-    except BaseException:
-        if writer is not None:
-            writer.abort()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with staged_output(out, overwrite, src.path, plan.output_bytes) as tmp:
+            report = _write_output(plan, tmp, progress, check_ids)
+            commit_output(tmp, out)
     finally:
         for reader in (plan.reader, *plan.readers, *([plan.shared_reader] if plan.shared_reader else [])):
             reader.close()
     return report
+
+
+def _write_output(plan: UpcyclePlan, tmp: Path, progress: Progress | None, check_ids: torch.Tensor | None) -> dict:
+    """Write into the temporary directory `tmp` and check it; returns the report."""
+    t0 = time.time()
+    layers = write_shards(tmp, plan.shards, lambda writer: _write_tensors(plan, writer, progress))
+    seconds = time.time() - t0
+    (tmp / "config.json").write_text(json.dumps(plan.config_json, indent=2, sort_keys=True) + "\n")
+    check = check_output(plan, tmp, partial(_regenerate, plan), progress, check_ids)
+    check["seconds"] = round(time.time() - t0 - seconds, 3)
+    summary = plan.summary()
+    summary.pop("engines")
+    report = {"moeify_version": __version__, **summary, "seconds": round(seconds, 3), "check": check,
+              "layers": layers}
+    write_metadata(tmp, plan.src.path, report=report, toml=recipe_toml(plan))
+    return report
+
+
+def _regenerate(plan: UpcyclePlan, broken: bool, base_only: bool = False):
+    """Each layer's experts made again (the check's, for an output too large to read back, and the construction before
+    symmetry breaking), cast as the output holds them; base_only: every copy the base's FFN (a merge's exact model)."""
+    def experts(i: int):
+        ffns = [plan.base_ffn(i)] * plan.layout.copies if base_only else plan.ffns(i)
+        return layer_experts(plan, i, ffns, broken).experts.cast(plan.out_dtype)
+    return experts
 
 
 class AveragedReader:
@@ -472,80 +469,6 @@ def _write_tensors(plan: UpcyclePlan, writer, progress: Progress | None) -> list
     return layers
 
 
-def check_output(plan: UpcyclePlan, out_dir: Path, progress: Progress | None = None,
-                 text_ids: torch.Tensor | None = None) -> dict:
-    """Stream the source and the written MoE one decoder layer at a time (moeify.evaluation.layerwise), in one pass over
-    `text_ids` (else 64 random tokens), the model as written scored by its KL to the source; the copies before any
-    symmetry breaking (a merge's: every copy the base's FFN) must give the source's logits, checked on 64 random
-    tokens when they are not the model as written (RuntimeError otherwise)."""
-    from ..evaluation.layerwise import kl_to_reference, max_logit_diff, moe_stack, source_stack, stream_hidden
-
-    src = plan.src
-    src_reader = CheckpointReader(src.path)
-    out_reader = CheckpointReader(out_dir)
-    from_files = plan.output_bytes <= READ_BACK_BYTES
-
-    def regenerate(broken: bool, base_only: bool = False):
-        def experts(i: int):
-            ffns = [plan.base_ffn(i)] * plan.layout.copies if base_only else plan.ffns(i)
-            return layer_experts(plan, i, ffns, broken).experts.cast(plan.out_dtype)  # as the output holds them
-        return experts
-
-    dense = source_stack(src, src_reader, plan.out_dtype)  # the source as the output's dtype holds it
-    written = moe_stack(out_dir, out_reader, None if from_files else regenerate(True))
-    # the check's tokens (the text, else random ones) through the source and the model as written, a decoder layer
-    # of each at a time: its KL to the source, and its logits when it is the exact construction. Otherwise the exact
-    # construction (a merge's: every copy the base's FFN; an upcycle's: the copies before symmetry breaking) is
-    # compared with the source on CHECK_SEQ random tokens a sequence, in a second, shorter pass: exactness is a
-    # property of the weights and the class's routing, which any tokens show. With averaged attention, or a shared
-    # expert of its own that is not the base's FFN at a constant gate, no setting computes the base, and only the KL
-    # is measured.
-    averaged = bool(plan.sources) and (plan.attention != "base" or not plan.shared_is_base)
-    exact = None if averaged else written if plan.exact else \
-        moe_stack(out_dir, out_reader, regenerate(False, bool(plan.sources)))
-    random_ids = torch.randint(0, src.vocab, (2, CHECK_SEQ),
-                               generator=torch.Generator().manual_seed(plan.settings.seed))
-    ids = text_ids if text_ids is not None else random_ids
-    finals = stream_hidden([dense, written], ids, progress)
-    result = {"tokens": int(ids.numel()), "tokens_from": "text" if text_ids is not None else "random",
-              "experts_read_back": from_files, "exact_model": None,
-              "kl_to_source": 0.0 if exact is written and text_ids is None else  # identical by construction
-              kl_to_reference(dense, finals[0], written, finals[-1])}
-    if text_ids is not None:
-        result["kl_text_tokens"] = int(ids.numel())
-    if exact is not None and exact is not written:
-        finals = stream_hidden([dense, exact], random_ids, progress)
-        result["exact_tokens"] = int(random_ids.numel())
-    src_reader.close()
-    out_reader.close()
-    if exact is None:
-        return result
-    diff, scale = max_logit_diff(dense, finals[0], exact, finals[1])
-    result.update(max_logit_diff=diff, logit_scale=scale, exact_model="as written" if plan.exact else
-                  "every expert the base's FFN" if plan.sources else "the copies before symmetry breaking")
-    tol = CHECK_RTOL * max(scale, 1e-6)
-    if not math.isfinite(diff) or diff > tol:
-        raise RuntimeError(f"upcycle check failed: the copies' logits differ from {src.path}'s by {diff:.3g} (allowed "
-                           f"{tol:.3g}); nothing was written")
-    return result
-
-
-def _write_metadata(plan: UpcyclePlan, tmp: Path, layers: list[dict], seconds: float, check: dict) -> dict:
-    for name in TOKENIZER_FILES:
-        f = plan.src.path / name
-        if f.is_file():
-            shutil.copyfile(f, tmp / name)
-    summary = plan.summary()
-    summary.pop("engines")
-    report = {"moeify_version": __version__, **summary, "seconds": round(seconds, 3), "check": check,
-              "layers": layers}
-    (tmp / "report.json").write_text(json.dumps(report) + "\n")
-    (tmp / "moeify.toml").write_text(recipe_toml(plan))
-    copy_licence(plan.src.path, tmp)
-    write_card(tmp, name=tmp.name.removesuffix(PARTIAL_SUFFIX))
-    return report
-
-
 def recipe_toml(plan: UpcyclePlan) -> str:
     """What was built, as TOML (OUT/moeify.toml): the construction, a merge's sources and choices, the settings."""
     kind = "merge" if plan.sources else "upcycle"
@@ -561,5 +484,5 @@ def recipe_toml(plan: UpcyclePlan) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["UpcycleSettings", "UpcyclePlan", "plan_upcycle", "run_upcycle", "check_output", "layer_experts",
+__all__ = ["UpcycleSettings", "UpcyclePlan", "plan_upcycle", "run_upcycle", "layer_experts",
            "resolve_format", "recipe_toml"]
