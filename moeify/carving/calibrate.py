@@ -2,8 +2,9 @@
 
 Each decoder layer is a real transformers LlamaDecoderLayer/MistralDecoderLayer/Qwen2DecoderLayer (rotary embeddings,
 causal or sliding-window mask and GQA exactly as the model computes them), built on the meta device and
-loaded with only that layer's weights. The FFN input of every calibration token (post-attention RMSNorm
-output) is what the carving statistics, router fitting and down-projection refit are computed from.
+loaded with only that layer's weights by the one layer-by-layer runner, moeify.evaluation.layerwise. The FFN input
+of every calibration token (post-attention RMSNorm output) is what the carving statistics, router fitting and
+down-projection refit are computed from.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
+from ..evaluation.layerwise import ResidentRun, source_stack
 from ..formats.checkpoint import SPILL_DIR, CheckpointReader
 from ..errors import MoeifyError
 from ..formats.families import SourceModel
@@ -23,54 +24,15 @@ from ..maths.numerics import (NeuronStats, ffn_activations, neuron_stats, releas
 # ------------------------------------------------------------------------------------- layer-by-layer forward
 
 
-class LayerwiseModel:
-    """The dense model, one decoder layer at a time, on calibration tokens (hidden states kept resident)."""
+class LayerwiseModel(ResidentRun):
+    """The dense source on the calibration windows, one decoder layer at a time on `device`: the shared runner
+    (moeify.evaluation.layerwise.ResidentRun: every window's hidden states resident, a layer's FFN input exposed for
+    the carve) built from the source as calibration sees it."""
 
     def __init__(self, src: SourceModel, reader: CheckpointReader, tokens: torch.Tensor, device: str = "cpu",
                  batch_size: int = 8):
-        from ..formats.families import family_classes
-
-        cls, self._layer_cls, rotary = family_classes(src.model_type)
-        self.config = cls.from_dict({k: v for k, v in src.raw.items() if k != "auto_map"})
-        self.config._attn_implementation = "sdpa"
-        self.src, self.reader, self.device, self.batch_size = src, reader, torch.device(device), batch_size
-        self.tokens = tokens
-        embed = reader.get("model.embed_tokens.weight")
-        self.hidden = F.embedding(tokens, embed).float().to(self.device)  # (n_seq, seq, d_model)
-        self.rotary = rotary(self.config).to(self.device)
-        self.position_ids = torch.arange(tokens.shape[1], device=self.device).unsqueeze(0)
-
-    def load_layer(self, layer_idx: int) -> torch.nn.Module:
-        with torch.device("meta"):
-            layer = self._layer_cls(self.config, layer_idx)
-        prefix = f"model.layers.{layer_idx}."
-        state = {k: self.reader.get(prefix + k).float().to(self.device) for k in layer.state_dict()}
-        layer.load_state_dict(state, assign=True)
-        return layer.eval()
-
-    def _mask(self, h: torch.Tensor):
-        from ..evaluation.layerwise import causal_mask
-
-        return causal_mask(self.config, h, self.position_ids)
-
-    @torch.no_grad()
-    def attention(self, layer: torch.nn.Module, hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the attention half of a layer on all hidden states (default: self.hidden).
-        Returns (h_mid, x): the residual stream after attention and the FFN input, both (n_seq, seq, d)."""
-        hidden = self.hidden if hidden is None else hidden
-        mids = []
-        for start in range(0, hidden.shape[0], self.batch_size):
-            h = hidden[start:start + self.batch_size]
-            pos = self.rotary(h, position_ids=self.position_ids)
-            attn, _ = layer.self_attn(hidden_states=layer.input_layernorm(h), attention_mask=self._mask(h),
-                                      position_ids=self.position_ids, position_embeddings=pos)
-            mids.append(h + attn)
-        h_mid = torch.cat(mids)
-        return h_mid, layer.post_attention_layernorm(h_mid)
-
-    def advance(self, h_mid: torch.Tensor, ffn_out: torch.Tensor) -> None:
-        """Next layer's input = residual after attention + this layer's FFN output (dense or carved)."""
-        self.hidden = h_mid + ffn_out.view_as(h_mid)
+        super().__init__(source_stack(src, reader, device=device), tokens, batch_size)
+        self.src, self.reader = src, reader
 
 
 # ------------------------------------------------------------------------------------ the calibration pass

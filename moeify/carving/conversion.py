@@ -26,7 +26,7 @@ from .carve import CarvedLayer, carve_weight_only
 from ..formats.experts import ffn_output_tensors
 from ..maths.router import SHARED_GATE_MIN, shared_gate_value
 from ..formats.families import (TOKENIZER_FILES, SourceModel, attention_infos, check_source_tensors,
-                       ffn_tensor_names, load_source, target_config)
+                       ffn_tensor_names, load_source, target_format, target_config)
 from ..maths.partition import valid_expert_counts
 from ..formats.output import LOCK_NAME, commit_output, staged_output, write_metadata, write_shards
 from ..formats.writer import ShardLayout, ShardWriter, write_attention, write_head
@@ -112,13 +112,8 @@ def plan_conversion(src_path: str | Path, cfg: ConvertConfig, *, allow_pickle: b
     check_links(src.path, ("config.json", *TOKENIZER_FILES))
     reader = CheckpointReader(src.path, allow_pickle=allow_pickle, allow_nonfinite=allow_nonfinite)
     check_source_tensors(src, reader.tensors)
-    fmt = cfg.resolved_format()
-    if src.qkv_bias:  # Qwen2's q/k/v biases: Qwen2-MoE holds them, Mixtral has none
-        if cfg.format == "mixtral":
-            raise MoeifyError(f"--format mixtral cannot hold the q/k/v biases of {src.path} ({src.model_type})",
-                              "use --format qwen2_moe (or auto)")
-        fmt = "qwen2_moe"
-    fmt = _qwen3_format(src, cfg, fmt)
+    fmt = target_format(src, cfg.format, shared=cfg.shared > 0,
+                        dense_layers=bool(cfg.dense_layers or cfg.dense_auto), shared_fix=_qwen3_layout_hint(src, cfg) if src.qk_norm and cfg.shared else "")
 
     units = cfg.experts + cfg.shared
     if src.d_ff % units:
@@ -143,25 +138,14 @@ def plan_conversion(src_path: str | Path, cfg: ConvertConfig, *, allow_pickle: b
     return plan
 
 
-def _qwen3_format(src: SourceModel, cfg: ConvertConfig, fmt: str) -> str:
-    """A Qwen3 source (q/k norms) goes to Qwen3-MoE, the one stock target with its attention; nothing else does."""
-    if not src.qk_norm:
-        if cfg.format == "qwen3_moe":
-            raise MoeifyError(f"--format qwen3_moe needs a Qwen3 source; {src.path} is {src.model_type} (its attention "
-                              "has no q/k norms)", "use --format mixtral or qwen2_moe (or auto)")
-        return fmt
-    if cfg.shared > 0:  # before --format: the presets name qwen2_moe
-        share = (cfg.top_k + cfg.shared) / (cfg.experts + cfg.shared)
-        from ..formats.engines import same_share_layout
+def _qwen3_layout_hint(src: SourceModel, cfg: ConvertConfig) -> str:
+    """The flags of the same active share without a shared expert (Qwen3-MoE has none), within llama.cpp's top-k."""
+    from ..formats.engines import same_share_layout
 
-        n, k = same_share_layout(src.d_ff, share)
-        raise MoeifyError(f"{src.path} is a Qwen3 model: Qwen3-MoE, the one stock class with its q/k norms, has "
-                          "no shared expert", f"pass --format qwen3_moe --shared 0 --experts {n} --top-k {k} "
-                          f"(the same {share:.0%} active, within llama.cpp's top-k)")
-    if cfg.format in ("mixtral", "qwen2_moe"):
-        raise MoeifyError(f"--format {cfg.format} cannot hold the q/k norms of {src.path} (qwen3)",
-                          "use --format qwen3_moe (or auto)")
-    return "qwen3_moe"
+    share = (cfg.top_k + cfg.shared) / (cfg.experts + cfg.shared)
+    n, k = same_share_layout(src.d_ff, share)
+    return (f"pass --format qwen3_moe --shared 0 --experts {n} --top-k {k} (the same {share:.0%} active, within "
+            "llama.cpp's top-k)")
 
 
 def _derive_plan(src: SourceModel, reader: CheckpointReader, cfg: ConvertConfig, fmt: str, width: int,

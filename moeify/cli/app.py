@@ -37,13 +37,24 @@ def _main(version: bool = typer.Option(False, "--version", callback=_version, is
     """Carve a dense LLaMA/Mistral/Qwen2/Qwen3 checkpoint into a Mixture-of-Experts checkpoint, and measure the cost."""
 
 
+# the options convert and plan share, word for word
+_EXPERTS = typer.Option(None, "--experts", "-n", help="Routed experts per layer [default: the preset's; with "
+                        "--top-k/--shared but no preset, 8].")
+_TOP_K = typer.Option(None, "--top-k", "-k", help="Routed experts active per token [default: the preset's; without "
+                      "a preset, 2].")
+_SERVE = typer.Option(None, "--serve", help="The serving format the preset's layout is resolved for: k-quants "
+                      "(llama.cpp Q4_K_M: widths of 256) | fp8 (vLLM FP8 block, Marlin: 128) | q8_0 (llama.cpp "
+                      "Q8_0/Q4_0: 32) | bf16 (any width) [default: the preset's own: experts of 128 where d_ff has "
+                      "them, else 256, 128, 32].")
+
+
 def _run_eval(models: list[Path], data: Optional[str], settings, json_dest: Optional[str] = None,
               plot: Optional[Path] = None, tables: Optional[Console] = None, **tasks) -> None:
     """Shared by `eval` and `convert --eval`: perplexity and routing of every model, one table (tasks: `eval
     --tasks`' options: also task accuracy and generation health)."""
     from ..api import evaluate
     from ..evaluation.perplexity import plot_routing, require_matplotlib
-    from .report import print_eval
+    from .report_eval import print_eval
 
     if plot:
         require_matplotlib()
@@ -107,117 +118,127 @@ def eval_cmd(
         _fail(exc)
 
 
+# convert's options' help texts, by parameter name (in the signature's order, which is --help's)
+_HELP = {
+    "shared": "Always-on shared width, in units of one expert (every expert is d_ff/(experts+shared) wide) "
+              "[default: 0].",
+    "method": "Neuron partition: contiguous | random | gate-cluster (balanced k-means of gate_proj rows) | activation "
+              "| coactivation (both need calibration) [default: activation; with --weight-only: gate-cluster].",
+    "router": "Router rows: mean-gate (EMoE) | representative (CMoE) | fitted (ridge fit to the experts' true output "
+              "norms, needs calibration) [default: fitted; with --weight-only: representative].",
+    "format": "Output format: mixtral | qwen2_moe | qwen3_moe | auto (qwen2_moe when --shared or --dense-layers or a "
+              "Qwen2 source's biases need it; qwen3_moe for a Qwen3 source) [default: auto].",
+    "dense_layers": "Layers kept dense (qwen2_moe, qwen3_moe): a list, e.g. 0,31, or auto:M for the M layers most hurt "
+                    "by carving on the calibration data.",
+    "gate_tolerance": "Max relative error of each unit gate vs 1/k; sets the router scale (smaller = closer to exact, "
+                      "more float ties) [default: 1e-3].",
+    "seed": "Seed for random/k-means partitions [default: 0].",
+    "kmeans_iters": "Lloyd iterations of balanced k-means [default: 8].",
+    "dtype": "Output dtype: auto (keep source) | bfloat16 | float16 | float32.",
+    "max_shard_size": "Max bytes per output shard, e.g. 5GB, 500MB [default: 5GB].",
+    "pad_experts_to": "Zero-pad every routed expert's width to a multiple of this (exact: zero neurons add nothing), "
+                      "e.g. 128 or 256 for quantized serving; --dry-run says which formats a width suits [default: 8].",
+    "untie_embeddings": "Write an explicit lm_head copy for tied-embedding sources [default: keep tied].",
+    "calib": "Calibration text (.txt, or .jsonl with a 'text' field) from your domain; repeat for several files "
+             "[default: the bundled sample, ~200 KB of Wikipedia and a novel].",
+    "weight_only": "Carve from the weights alone (no calibration: fast, much worse quality; see BENCHMARKS.md). With "
+                   "--preset: the preset's layout, its calibrated settings replaced by weight-only ones (gate-cluster, "
+                   "representative router, no refit, no tuning; each said in a note).",
+    "calib_tokens": "Calibration tokens; more than the text has is an error [default: all of the text, up to 65536].",
+    "calib_seq_len": "Calibration window length [default: 512, capped at the model's max_position_embeddings].",
+    "calib_feed": "Next layer's calibration input: dense (the dense layer's output) | moe (the carved layer's output) "
+                  "| corrected (the carved output, and each layer is fitted to restore the dense model's hidden "
+                  "states, correcting earlier layers' error) [default: corrected].",
+    "tune_tokens": "Recovery tuning: distil the carved experts and routers towards the dense model's next-token "
+                   "distributions on this many fresh tokens (your --calib text, the bundled broad sample and text the "
+                   "dense model samples itself); teacher and student on --device. About 7-12 seconds per 1,024 tokens "
+                   "for a 135M model on 2 CPU cores; use GPUs for 7B+. An interrupted tuning resumes, and a tuned "
+                   "output tunes further, with `moeify tune` (0 = off) [default: the preset's, else 0].",
+    "no_tune": "Turn tuning off (a preset's --tune-tokens and --fit-epochs): the training-free carve only.",
+    "tune_generated": "Share of the tuning tokens sampled from the dense model itself (label-free: what the teacher "
+                      "knows is what the student is taught) [default: 0.5].",
+    "tune_text": "More tuning text (.txt/.jsonl) besides --calib and the bundled sample; repeatable.",
+    "tune_router": "Also train the routers (exported as plain Mixtral / Qwen2-MoE routers) [default: on].",
+    "tune_attention": "Recovery tuning also trains every layer's attention projections and RMSNorm weights (at a third "
+                      "of the experts' step), so they adapt to the carved FFNs: 1-2% better on SmolLM2, +10% time, "
+                      "more memory [default: the preset's, else off].",
+    "tune_model_lr": "Recovery tuning step size, relative to each weight's RMS: half or twice the default measured "
+                     "worse on unseen text (BENCHMARKS.md) [default: 0.003].",
+    "fit_epochs": "Layer-local fitting after carving: this many passes of Adam over the calibration tokens on each "
+                  "layer's experts, towards its target output (weak: see BENCHMARKS.md; 0 = off; was --tune-epochs) "
+                  "[default: 0].",
+    "fit_lr": "Layer-local fitting step size, relative to each weight's RMS [default: 0.01].",
+    "compensate": "Refit down_proj by ridge least squares under the actual routing [default: on with --calib].",
+    "stats": "Reuse neuron statistics (OUT/calibration/stats.safetensors of an earlier calibrated run) instead of "
+             "recomputing them.",
+    "device": "Where calibration, k-means clustering and router fitting run: auto (a GPU if there is one) | cpu | cuda "
+              "[default: auto].",
+    "preset": "A preset by name (active-50, active-25, active-75) or a TOML file; flags override it. Its [layout] "
+              "(shares of d_ff) is resolved for SRC: the expert count whose width quantized kernels take; --dry-run "
+              "prints how [default: active-50 when no --experts/--top-k/--shared is given].",
+    "target": "A serving engine the output must run in: transformers | vllm | llama.cpp (repeatable, or "
+              "comma-separated); convert refuses a layout a target cannot run. The presets name all three "
+              "[default: none: only warnings].",
+    "force": "Write a layout that a --target engine cannot run.",
+    "memory_check": "Refuse, before calibrating, a tuning run whose predicted peak memory exceeds the device's.",
+    "allow_pickle": "Read pytorch_model*.bin weights when SRC has no safetensors, with torch.load(weights_only=True) "
+                    "(tensors only, no code runs).",
+    "allow_nonfinite": "Convert tensors that contain NaN/Inf (with a warning) instead of refusing them.",
+    "overwrite": "Replace OUT (and any leftover OUT.moeify-partial) if it exists.",
+    "dry_run": "Print the plan (sizes, parameters, FLOPs, which quantized serving formats the expert width suits) and "
+               "write nothing.",
+    "eval_data": "After converting, compare source and output (`moeify eval SRC OUT --data EVAL`): a .txt/.jsonl file, "
+                 "or 'sample' for the bundled sample.",
+}
+
+
 @app.command()
 def convert(
     src: Path = typer.Argument(..., help="Dense checkpoint: a directory (config.json, *.safetensors, tokenizer) or "
                                 "a Hugging Face Hub id, org/name[@revision] (fetched into the Hub cache)."),
     out: Path = typer.Argument(..., help="Output directory for the MoE checkpoint (must not exist unless --overwrite)."),
-    experts: Optional[int] = typer.Option(None, "--experts", "-n", help="Routed experts per layer [default: the "
-                                          "preset's; with --top-k/--shared but no preset, 8]."),
-    top_k: Optional[int] = typer.Option(None, "--top-k", "-k", help="Routed experts active per token [default: the "
-                                        "preset's; without a preset, 2]."),
-    shared: Optional[int] = typer.Option(None, "--shared", help="Always-on shared width, in units of one expert "
-                                         "(every expert is d_ff/(experts+shared) wide) [default: 0]."),
-    method: Optional[str] = typer.Option(None, help="Neuron partition: contiguous | random | gate-cluster "
-                                         "(balanced k-means of gate_proj rows) | activation | coactivation (both "
-                                         "need calibration) [default: activation; with --weight-only: gate-cluster]."),
-    router: Optional[str] = typer.Option(None, help="Router rows: mean-gate (EMoE) | representative (CMoE) | fitted "
-                                         "(ridge fit to the experts' true output norms, needs calibration) "
-                                         "[default: fitted; with --weight-only: representative]."),
-    format: Optional[str] = typer.Option(None, "--format", help="Output format: mixtral | qwen2_moe | qwen3_moe "
-                                         "| auto (qwen2_moe when --shared or --dense-layers or a Qwen2 source's "
-                                         "biases need it; qwen3_moe for a Qwen3 source) [default: auto]."),
-    dense_layers: Optional[str] = typer.Option(None, help="Layers kept dense (qwen2_moe, qwen3_moe): a list, e.g. 0,31, or auto:M "
-                                               "for the M layers most hurt by carving on the calibration data."),
-    gate_tolerance: Optional[float] = typer.Option(None, help="Max relative error of each unit gate vs 1/k; sets the "
-                                                   "router scale (smaller = closer to exact, more float ties) [default: 1e-3]."),
-    seed: Optional[int] = typer.Option(None, help="Seed for random/k-means partitions [default: 0]."),
-    kmeans_iters: Optional[int] = typer.Option(None, help="Lloyd iterations of balanced k-means [default: 8]."),
-    dtype: Optional[str] = typer.Option(None, help="Output dtype: auto (keep source) | bfloat16 | float16 | float32."),
-    max_shard_size: Optional[str] = typer.Option(None, help="Max bytes per output shard, e.g. 5GB, 500MB [default: 5GB]."),
-    pad_experts_to: Optional[int] = typer.Option(None, help="Zero-pad every routed expert's width to a multiple of this "
-                                                 "(exact: zero neurons add nothing), e.g. 128 or 256 for quantized "
-                                                 "serving; --dry-run says which formats a width suits [default: 8]."),
-    untie_embeddings: Optional[bool] = typer.Option(None, "--untie-embeddings/--keep-tied", help="Write an explicit "
-                                                    "lm_head copy for tied-embedding sources [default: keep tied]."),
-    calib: Optional[list[Path]] = typer.Option(None, "--calib", help="Calibration text (.txt, or .jsonl with a 'text' "
-                                               "field) from your domain; repeat for several files [default: the "
-                                               "bundled sample, ~200 KB of Wikipedia and a novel]."),
-    weight_only: bool = typer.Option(False, "--weight-only", help="Carve from the weights alone (no calibration: "
-                                     "fast, much worse quality; see BENCHMARKS.md). With --preset: the preset's "
-                                     "layout, its calibrated settings replaced by weight-only ones (gate-cluster, "
-                                     "representative router, no refit, no tuning; each said in a note)."),
-    calib_tokens: Optional[int] = typer.Option(None, help="Calibration tokens; more than the text has is an error "
-                                              "[default: all of the text, up to 65536]."),
-    calib_seq_len: Optional[int] = typer.Option(None, help="Calibration window length [default: 512, capped at "
-                                                "the model's max_position_embeddings]."),
-    calib_feed: Optional[str] = typer.Option(None, help="Next layer's calibration input: dense (the dense layer's "
-                                             "output) | moe (the carved layer's output) | corrected (the carved "
-                                             "output, and each layer is fitted to restore the dense model's hidden "
-                                             "states, correcting earlier layers' error) [default: corrected]."),
-    tune_tokens: Optional[int] = typer.Option(None, help="Recovery tuning: distil the carved experts and routers "
-                                              "towards the dense model's next-token distributions on this many "
-                                              "fresh tokens (your --calib text, the bundled broad sample and text "
-                                              "the dense model samples itself); teacher and student on --device. "
-                                              "About 7-12 seconds per 1,024 tokens for a 135M model on 2 CPU "
-                                              "cores; use GPUs for 7B+. An interrupted tuning resumes, and a "
-                                              "tuned output tunes further, with `moeify tune` (0 = off) "
-                                              "[default: the preset's, else 0]."),
-    no_tune: bool = typer.Option(False, "--no-tune", help="Turn tuning off (a preset's --tune-tokens and "
-                                 "--fit-epochs): the training-free carve only."),
-    tune_generated: Optional[float] = typer.Option(None, help="Share of the tuning tokens sampled from the dense "
-                                                   "model itself (label-free: what the teacher knows is what the "
-                                                   "student is taught) [default: 0.5]."),
-    tune_text: Optional[list[Path]] = typer.Option(None, "--tune-text", help="More tuning text (.txt/.jsonl) besides "
-                                                   "--calib and the bundled sample; repeatable."),
-    tune_router: Optional[bool] = typer.Option(None, "--tune-router/--freeze-router", help="Also train the routers "
-                                               "(exported as plain Mixtral / Qwen2-MoE routers) [default: on]."),
-    tune_attention: Optional[bool] = typer.Option(None, "--tune-attention/--experts-only", help="Recovery tuning "
-                                                  "also trains every layer's attention projections and RMSNorm "
-                                                  "weights (at a third of the experts' step), so they adapt to "
-                                                  "the carved FFNs: 1-2% better on SmolLM2, +10% time, more "
-                                                  "memory [default: the preset's, else off]."),
-    tune_model_lr: Optional[float] = typer.Option(None, help="Recovery tuning step size, relative to each weight's "
-                                                  "RMS: half or twice the default measured worse on unseen text "
-                                                  "(BENCHMARKS.md) [default: 0.003]."),
-    fit_epochs: Optional[int] = typer.Option(None, help="Layer-local fitting after carving: this many passes of Adam "
-                                              "over the calibration tokens on each layer's experts, towards its "
-                                              "target output (weak: see BENCHMARKS.md; 0 = off; was --tune-epochs) "
-                                              "[default: 0]."),
-    fit_lr: Optional[float] = typer.Option(None, help="Layer-local fitting step size, relative to each weight's RMS "
-                                            "[default: 0.01]."),
-    compensate: Optional[bool] = typer.Option(None, "--compensate/--no-compensate", help="Refit down_proj by ridge "
-                                              "least squares under the actual routing [default: on with --calib]."),
-    stats: Optional[Path] = typer.Option(None, help="Reuse neuron statistics (OUT/calibration/stats.safetensors of an "
-                                         "earlier calibrated run) instead of recomputing them."),
-    device: Optional[str] = typer.Option(None, help="Where calibration, k-means clustering and router fitting "
-                                         "run: auto (a GPU if there is one) | cpu | cuda [default: auto]."),
-    preset: Optional[Path] = typer.Option(None, help="A preset by name (active-50, active-25, active-75) or a TOML file; flags "
-                                          "override it. Its [layout] (shares of d_ff) is resolved for SRC: the "
-                                          "expert count whose width quantized kernels take; --dry-run prints how "
-                                          "[default: active-50 when no --experts/--top-k/--shared is given]."),
-    serve: Optional[str] = typer.Option(None, "--serve", help="The serving format the preset's layout is resolved "
-                                        "for: k-quants (llama.cpp Q4_K_M: widths of 256) | fp8 (vLLM FP8 block, "
-                                        "Marlin: 128) | q8_0 (llama.cpp Q8_0/Q4_0: 32) | bf16 (any width) "
-                                        "[default: the preset's own: experts of 128 where d_ff has them, else 256, 128, 32]."),
-    target: Optional[list[str]] = typer.Option(None, "--target", help="A serving engine the output must run in: "
-                                               "transformers | vllm | llama.cpp (repeatable, or comma-separated); "
-                                               "convert refuses a layout a target cannot run. The presets name all "
-                                               "three [default: none: only warnings]."),
-    force: bool = typer.Option(False, "--force", help="Write a layout that a --target engine cannot run."),
-    memory_check: bool = typer.Option(True, "--memory-check/--no-memory-check", help="Refuse, before calibrating, a "
-                                      "tuning run whose predicted peak memory exceeds the device's."),
-    allow_pickle: bool = typer.Option(False, help="Read pytorch_model*.bin weights when SRC has no safetensors, with "
-                                      "torch.load(weights_only=True) (tensors only, no code runs)."),
-    allow_nonfinite: bool = typer.Option(False, help="Convert tensors that contain NaN/Inf (with a warning) instead "
-                                         "of refusing them."),
-    overwrite: bool = typer.Option(False, help="Replace OUT (and any leftover OUT.moeify-partial) if it exists."),
-    dry_run: bool = typer.Option(False, help="Print the plan (sizes, parameters, FLOPs, which quantized serving "
-                                 "formats the expert width suits) and write nothing."),
+    experts: Optional[int] = _EXPERTS,
+    top_k: Optional[int] = _TOP_K,
+    shared: Optional[int] = typer.Option(None, "--shared", help=_HELP["shared"]),
+    method: Optional[str] = typer.Option(None, "--method", help=_HELP["method"]),
+    router: Optional[str] = typer.Option(None, "--router", help=_HELP["router"]),
+    format: Optional[str] = typer.Option(None, "--format", help=_HELP["format"]),
+    dense_layers: Optional[str] = typer.Option(None, "--dense-layers", help=_HELP["dense_layers"]),
+    gate_tolerance: Optional[float] = typer.Option(None, "--gate-tolerance", help=_HELP["gate_tolerance"]),
+    seed: Optional[int] = typer.Option(None, "--seed", help=_HELP["seed"]),
+    kmeans_iters: Optional[int] = typer.Option(None, "--kmeans-iters", help=_HELP["kmeans_iters"]),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help=_HELP["dtype"]),
+    max_shard_size: Optional[str] = typer.Option(None, "--max-shard-size", help=_HELP["max_shard_size"]),
+    pad_experts_to: Optional[int] = typer.Option(None, "--pad-experts-to", help=_HELP["pad_experts_to"]),
+    untie_embeddings: Optional[bool] = typer.Option(None, "--untie-embeddings/--keep-tied", help=_HELP["untie_embeddings"]),
+    calib: Optional[list[Path]] = typer.Option(None, "--calib", help=_HELP["calib"]),
+    weight_only: bool = typer.Option(False, "--weight-only", help=_HELP["weight_only"]),
+    calib_tokens: Optional[int] = typer.Option(None, "--calib-tokens", help=_HELP["calib_tokens"]),
+    calib_seq_len: Optional[int] = typer.Option(None, "--calib-seq-len", help=_HELP["calib_seq_len"]),
+    calib_feed: Optional[str] = typer.Option(None, "--calib-feed", help=_HELP["calib_feed"]),
+    tune_tokens: Optional[int] = typer.Option(None, "--tune-tokens", help=_HELP["tune_tokens"]),
+    no_tune: bool = typer.Option(False, "--no-tune", help=_HELP["no_tune"]),
+    tune_generated: Optional[float] = typer.Option(None, "--tune-generated", help=_HELP["tune_generated"]),
+    tune_text: Optional[list[Path]] = typer.Option(None, "--tune-text", help=_HELP["tune_text"]),
+    tune_router: Optional[bool] = typer.Option(None, "--tune-router/--freeze-router", help=_HELP["tune_router"]),
+    tune_attention: Optional[bool] = typer.Option(None, "--tune-attention/--experts-only", help=_HELP["tune_attention"]),
+    tune_model_lr: Optional[float] = typer.Option(None, "--tune-model-lr", help=_HELP["tune_model_lr"]),
+    fit_epochs: Optional[int] = typer.Option(None, "--fit-epochs", help=_HELP["fit_epochs"]),
+    fit_lr: Optional[float] = typer.Option(None, "--fit-lr", help=_HELP["fit_lr"]),
+    compensate: Optional[bool] = typer.Option(None, "--compensate/--no-compensate", help=_HELP["compensate"]),
+    stats: Optional[Path] = typer.Option(None, "--stats", help=_HELP["stats"]),
+    device: Optional[str] = typer.Option(None, "--device", help=_HELP["device"]),
+    preset: Optional[Path] = typer.Option(None, "--preset", help=_HELP["preset"]),
+    serve: Optional[str] = _SERVE,
+    target: Optional[list[str]] = typer.Option(None, "--target", help=_HELP["target"]),
+    force: bool = typer.Option(False, "--force", help=_HELP["force"]),
+    memory_check: bool = typer.Option(True, "--memory-check/--no-memory-check", help=_HELP["memory_check"]),
+    allow_pickle: bool = typer.Option(False, help=_HELP["allow_pickle"]),
+    allow_nonfinite: bool = typer.Option(False, help=_HELP["allow_nonfinite"]),
+    overwrite: bool = typer.Option(False, help=_HELP["overwrite"]),
+    dry_run: bool = typer.Option(False, help=_HELP["dry_run"]),
     json_dest: Optional[str] = _json_option("The plan (--dry-run) or the conversion report (OUT/report.json)."),
-    eval_data: Optional[str] = typer.Option(None, "--eval", help="After converting, compare source and output "
-                                            "(`moeify eval SRC OUT --data EVAL`): a .txt/.jsonl file, or 'sample' "
-                                            "for the bundled sample."),
+    eval_data: Optional[str] = typer.Option(None, "--eval", help=_HELP["eval_data"]),
 ) -> None:
     """Split every FFN into experts and write a Mixtral / Qwen2-MoE / Qwen3-MoE checkpoint that stock transformers loads.
 
@@ -227,7 +248,8 @@ def convert(
       moeify convert path/to/Llama-3-8B out/llama-moe --experts 8 --top-k 2 --no-tune
     """
     from ..api import prepare_conversion, run_prepared
-    from .report import print_plan, print_result
+    from .report import print_result
+    from .report_plan import print_plan
 
     try:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # every rank would write OUT at once
@@ -255,7 +277,7 @@ def convert(
         print_plan(tables, plan, out)
         if dry_run:
             from ..api import serve_layouts
-            from .report import print_alternatives
+            from .report_plan import print_alternatives
 
             alternatives = serve_layouts(str(src), preset=preset, experts=experts, top_k=top_k, shared=shared)
             if alternatives:
@@ -300,10 +322,8 @@ app.command("eval")(eval_cmd)  # listed in --help in the order of use: convert, 
 def plan_cmd(
     src: Path = typer.Argument(..., help="Dense checkpoint directory, a config.json file, or a Hub id (org/name"
                                 "[@revision]: only its config.json is fetched; no weights needed)."),
-    experts: Optional[int] = typer.Option(None, "--experts", "-n", help="Routed experts per layer [default: the "
-                                          "preset's; with --top-k/--shared but no preset, 8]."),
-    top_k: Optional[int] = typer.Option(None, "--top-k", "-k", help="Routed experts active per token [default: the "
-                                        "preset's; without a preset, 2]."),
+    experts: Optional[int] = _EXPERTS,
+    top_k: Optional[int] = _TOP_K,
     shared: Optional[int] = typer.Option(None, "--shared", help="Always-on shared expert, in units of one expert's "
                                          "width [default: the preset's; without a preset, 0]."),
     preset: Optional[Path] = typer.Option(None, help="A preset by name (active-50, active-25, active-75) or a TOML file: plan the "
@@ -311,10 +331,7 @@ def plan_cmd(
                                           "quantized kernels take); --experts/--shared/--top-k override it "
                                           "[default: active-50 when no count is given]."),
     expert_width: Optional[int] = typer.Option(None, "--expert-width", help="Add a row for this expert width."),
-    serve: Optional[str] = typer.Option(None, "--serve", help="The serving format the preset's layout is resolved "
-                                        "for: k-quants (llama.cpp Q4_K_M: widths of 256) | fp8 (vLLM FP8 block, "
-                                        "Marlin: 128) | q8_0 (llama.cpp Q8_0/Q4_0: 32) | bf16 (any width) "
-                                        "[default: the preset's own: experts of 128 where d_ff has them, else 256, 128, 32]."),
+    serve: Optional[str] = _SERVE,
     gpus: int = typer.Option(8, "--gpus", min=1, help="GPUs (processes) the upcycles' training memory is given for."),
     gpu_memory: float = typer.Option(80.0, "--gpu-memory", min=1.0, help="GB of one GPU: how many the upcycles' "
                                      "training needs."),
@@ -331,7 +348,7 @@ def plan_cmd(
       moeify plan path/to/Llama-3-8B/config.json --experts 8 --top-k 2
     """
     from ..api import plan
-    from .report import print_moe_plan
+    from .report_plan import print_moe_plan
 
     try:
         result = plan(str(src), preset=preset, experts=experts, top_k=top_k, shared=shared, expert_width=expert_width,

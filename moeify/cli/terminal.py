@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.text import Text
 
-from ..errors import MoeifyError
+from ..errors import MoeifyError, ParallelError
 
 console = Console(stderr=True)
 out_console = Console()
@@ -23,6 +23,18 @@ out_console = Console()
 def fail(exc: MoeifyError) -> None:
     console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)  # e.g. moeify[plot]
     raise typer.Exit(2)
+
+
+def fail_on_rank(exc: MoeifyError, rank: int) -> None:
+    """A run across processes (torchrun, accelerate launch; rank 0 alone otherwise) refused or stopped: a
+    ParallelError said by every rank, naming it (the rank that would report may be the one that is gone); any other
+    error said by rank 0 alone (every rank refuses what any refuses), the other ranks exiting 2 without a word."""
+    if isinstance(exc, ParallelError):
+        console.print(f"[bold red]error:[/] rank {rank}: {escape(str(exc))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
+    if rank:
+        raise typer.Exit(2)
+    fail(exc)
 
 
 JSON_HELP = "Write them as JSON to this file, or to stdout with '-' (the tables then go to stderr)."

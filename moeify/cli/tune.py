@@ -10,8 +10,8 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from ..errors import MoeifyError, ParallelError
-from .terminal import console, progress_bars, stage_callback
+from ..errors import MoeifyError
+from .terminal import console, fail_on_rank, progress_bars, stage_callback
 from .terminal import fail as _fail, json_option as _json_option, tables as _tables, write_json as _write_json
 
 
@@ -106,55 +106,36 @@ def tune_cmd(
         _fail(MoeifyError(f"--{'router-only' if router_only else 'aux-loss-coef'} is for an output of moeify upcycle "
                           f"or merge; {out} is a carve", "a carve's routers and experts tune together: "
                           "--freeze-router keeps its routers"))
-    from ..api import tune as run_tune
-    from ..formats.hub import resolve
-    from .report import print_tuning
-    from ..tuning import TuneOptions, TuningInterrupted
-
-    rank = int(os.environ.get("RANK", "0"))
     given = {"tokens": tokens, "lr": lr, "generated": tune_generated,
              "calib": None if calib is None else tuple(str(f) for f in calib),
              "tune_text": None if tune_text is None else tuple(str(f) for f in tune_text),
              "train_router": tune_router, "train_attention": tune_attention, "seed": seed, "schedule": schedule,
              "step_tokens": step_tokens}
+    run = dict(resume=resume, restart=restart, device=device, save_every=save_every, memory_check=memory_check,
+               offload=offload, timeout=timeout)
+    _tune_carve(src, out, given, run, dry_run, json_dest)
+
+
+def _tune_carve(src: Path, out: Path, given: dict, run: dict, dry_run: bool, json_dest: Optional[str]) -> None:
+    """`moeify tune SRC OUT` on a carve, `given` its options as the user set them (None: not set), `run` how it runs:
+    the run (on every rank of a torchrun; rank 0 reports) or its --dry-run estimate; a refusal, a stop or an
+    interruption said as a run across processes says it."""
+    from ..tuning import TuneOptions, TuningInterrupted
+
+    rank = int(os.environ.get("RANK", "0"))
     try:
         opts = None
-        if not resume:
-            if tokens is None:
+        if not run["resume"]:
+            if given["tokens"] is None:
                 raise MoeifyError("--tokens is required (the tuning budget of this run)",
                                   f"e.g. moeify tune {src} {out} --tokens 262144; or --resume an interrupted run")
             opts = TuneOptions(**{k: v for k, v in given.items() if v is not None})
         if dry_run:
-            from ..tuning import estimate_run
-
-            if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-                raise MoeifyError("--dry-run measures one process", "run it without torchrun / accelerate launch")
-
-            est = estimate_run(resolve(src), out, opts, resume=resume, device=device, offload=offload,
-                               memory_check=memory_check)
-            print_tuning(_tables(json_dest), est, estimate=True)
-            if json_dest:
-                _write_json(est, json_dest)
-            return
-        options = {k: v for k, v in given.items() if k != "tokens"}
-        run = dict(resume=resume, restart=restart, device=device, save_every=save_every, memory_check=memory_check,
-                   offload=offload, timeout=timeout, **options)
-        if rank:  # a process of a torchrun / accelerate launch other than the first: rank 0 reports
-            run_tune(src, out, tokens, **run)
-            return
-        with progress_bars() as bar:
-            report = run_tune(src, out, tokens, progress=stage_callback(bar), **run,
-                              notify=lambda msg: console.print(f"[yellow]{escape(msg)}[/]", highlight=False))
-        print_tuning(_tables(json_dest), report, out=out)
-        if json_dest:
-            _write_json(report, json_dest)
-    except ParallelError as exc:  # every rank says it: the rank that would report may be the one that is gone
-        console.print(f"[bold red]error:[/] rank {rank}: {escape(str(exc))}", highlight=False, soft_wrap=True)
-        raise typer.Exit(2)
+            _estimate(src, out, opts, run, json_dest)
+        else:
+            _tune(src, out, given, run, rank, json_dest)
     except MoeifyError as exc:
-        if rank:  # rank 0 says it (every rank refuses what any refuses)
-            raise typer.Exit(2)
-        _fail(exc)
+        fail_on_rank(exc, rank)
     except TuningInterrupted:
         if rank:
             raise typer.Exit(130)
@@ -168,6 +149,38 @@ def tune_cmd(
             interrupted_tuning(src, out)
         console.print(f"[bold red]interrupted[/]: {escape(str(out))} was left as it was")
         raise typer.Exit(130)
+
+
+def _estimate(src: Path, out: Path, opts, run: dict, json_dest: Optional[str]) -> None:
+    """`tune --dry-run`: the run's time and memory estimated from a few steps here, in one process."""
+    from ..formats.hub import resolve
+    from ..tuning import estimate_run
+    from .report import print_tuning
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise MoeifyError("--dry-run measures one process", "run it without torchrun / accelerate launch")
+    est = estimate_run(resolve(src), out, opts, resume=run["resume"], device=run["device"], offload=run["offload"],
+                       memory_check=run["memory_check"])
+    print_tuning(_tables(json_dest), est, estimate=True)
+    if json_dest:
+        _write_json(est, json_dest)
+
+
+def _tune(src: Path, out: Path, given: dict, run: dict, rank: int, json_dest: Optional[str]) -> None:
+    """The run on this rank; rank 0 shows its progress and reports it."""
+    from ..api import tune as run_tune
+    from .report import print_tuning
+
+    run = dict(run, **{k: v for k, v in given.items() if k != "tokens"})
+    if rank:  # a process of a torchrun / accelerate launch other than the first: rank 0 reports
+        run_tune(src, out, given["tokens"], **run)
+        return
+    with progress_bars() as bar:
+        report = run_tune(src, out, given["tokens"], progress=stage_callback(bar), **run,
+                          notify=lambda msg: console.print(f"[yellow]{escape(msg)}[/]", highlight=False))
+    print_tuning(_tables(json_dest), report, out=out)
+    if json_dest:
+        _write_json(report, json_dest)
 
 
 __all__ = ["tune_cmd", "interrupted_tuning"]

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from ..formats.card import nats
 from ..errors import MoeifyError
-from .terminal import console, fail, json_option, progress_bars, stage_callback, tables, write_json
+from .terminal import console, fail, fail_on_rank, json_option, progress_bars, stage_callback, tables, write_json
 
 
 def _millions(n: float) -> str:
@@ -252,18 +252,11 @@ def train_cmd(out: Path, src: Optional[Path], args: dict, refused: dict) -> None
     every rank trains and rank 0 reports (a rank that lost the others says so itself)."""
     import os
 
-    from ..errors import ParallelError
-
     rank = int(os.environ.get("RANK", "0"))
     try:
         _train(out, src, args, refused, rank)
-    except ParallelError as exc:
-        console.print(f"[bold red]error:[/] rank {rank}: {escape(str(exc))}", highlight=False, soft_wrap=True)
-        raise typer.Exit(2)
     except MoeifyError as exc:
-        if rank:  # rank 0 says it (every rank refuses what any refuses)
-            raise typer.Exit(2)
-        fail(exc)
+        fail_on_rank(exc, rank)
     except (KeyboardInterrupt, Exception) as exc:
         from ..tuning import TuningInterrupted
 

@@ -6,7 +6,9 @@ them, each expert's tensors read from the files (or made) when tokens first reac
 them on load, so that a layer holds one expert at a time.
 
 `stream_hidden` gives each model's final hidden states (after the final norm); `logits` and `kl_to_reference` turn
-them into what the upcycle check and `verify --against` compare, a chunk of tokens at a time.
+them into what the upcycle check and `verify --against` compare, a chunk of tokens at a time. `ResidentRun` runs a
+stack with every window's hidden states resident and a layer's attention and MLP apart, so that a layer's MLP input
+can be taken and its MLP replaced: the calibrated carve (moeify.carving.calibrate) and merge's router rows from text.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class LayerStack:
     n_experts: int = 0
     expert_override: ExpertOverride | None = field(default=None, repr=False)  # layer -> [(gate, up, down)] or None
     rounded_to: torch.dtype | None = None  # every weight rounded through this dtype first (a source held to its output)
+    device: torch.device = torch.device("cpu")  # where layer() puts a layer's (non-expert) weights
 
     def get(self, name: str) -> torch.Tensor:
         t = self.reader.get(name)
@@ -57,13 +60,17 @@ class LayerStack:
         keys = list(layer.state_dict())
         fused = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"} if self.fmt is not None else set()
         fused &= set(keys)
-        state = {k: self._tensor(i, k).float() for k in keys if k not in fused}
+        state = {k: self._tensor(i, k).float().to(self.device) for k in keys if k not in fused}
         missing = layer.load_state_dict(state, assign=True, strict=False).missing_keys
         if set(missing) != fused:
             raise RuntimeError(f"layer {i} of {self.layer_cls.__name__}: no weights for {sorted(set(missing) - fused)}")
         if fused:  # left unmaterialised: STORED_DTYPE_EXPERTS fetches each expert as the tokens reach it
             layer.mlp.experts.moeify_experts = self._experts(i)
         return layer.eval()
+
+    def rotary(self) -> torch.nn.Module:
+        """The config's rotary embedding, on the stack's device."""
+        return self.rotary_cls(self.config).to(self.device)
 
     def _experts(self, i: int):
         """Layer i's routed experts, (gate, up, down) by index as the checkpoint stores them: read from the files
@@ -114,12 +121,14 @@ class _ReadExperts:
         return tuple(self.reader.get(n) for n in self.names[e])
 
 
-def source_stack(src: SourceModel, reader: CheckpointReader, rounded_to: torch.dtype | None = None) -> LayerStack:
-    """The dense source; rounded_to: its weights rounded through the output's dtype, as the output holds them."""
+def source_stack(src: SourceModel, reader: CheckpointReader, rounded_to: torch.dtype | None = None,
+                 device: str | torch.device = "cpu") -> LayerStack:
+    """The dense source; rounded_to: its weights rounded through the output's dtype, as the output holds them;
+    device: where its layers are built."""
     cls, layer_cls, rotary = family_classes(src.model_type)
     config = cls.from_dict({k: v for k, v in src.raw.items() if k != "auto_map"})
     config._attn_implementation = "sdpa"
-    return LayerStack(config, layer_cls, rotary, reader, src.tied, rounded_to=rounded_to)
+    return LayerStack(config, layer_cls, rotary, reader, src.tied, rounded_to=rounded_to, device=torch.device(device))
 
 
 def moe_stack(out: Path, reader: CheckpointReader, expert_override: ExpertOverride | None = None) -> LayerStack:
@@ -187,23 +196,68 @@ def causal_mask(config, h: torch.Tensor, position_ids: torch.Tensor):
     return fn(config=config, inputs_embeds=h, attention_mask=None, position_ids=position_ids, **no_cache)
 
 
+def position_ids(seq_len: int, device: str | torch.device | None = None) -> torch.Tensor:
+    """(1, seq_len): every window's positions from 0 (no cache, no padding on the left)."""
+    return torch.arange(seq_len, device=device).unsqueeze(0)
+
+
+class ResidentRun:
+    """A stack on token windows (n, seq), every window's hidden states resident on the stack's device, a decoder
+    layer's attention half and its MLP run apart: `attention` gives the residual stream after attention and the MLP
+    input, `advance` adds the MLP's output (the layer's own, or one made in its place). Attention runs batch_size
+    windows at a time, each batch with its own mask; the caller builds each layer (`load_layer`) and frees it."""
+
+    def __init__(self, stack: LayerStack, tokens: torch.Tensor, batch_size: int = 8):
+        self.stack, self.tokens, self.batch_size, self.device = stack, tokens, batch_size, stack.device
+        self.hidden = stack.embed(tokens).to(self.device)  # (n, seq, d_model) float32
+        self.rotary = stack.rotary()
+        self.position_ids = position_ids(tokens.shape[1], self.device)
+
+    @property
+    def config(self):
+        return self.stack.config
+
+    def load_layer(self, layer_idx: int) -> torch.nn.Module:
+        return self.stack.layer(layer_idx)
+
+    @torch.no_grad()
+    def attention(self, layer: torch.nn.Module, hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the attention half of a layer on all hidden states (default: self.hidden).
+        Returns (h_mid, x): the residual stream after attention and the FFN input, both (n_seq, seq, d)."""
+        hidden = self.hidden if hidden is None else hidden
+        mids = []
+        for start in range(0, hidden.shape[0], self.batch_size):
+            h = hidden[start:start + self.batch_size]
+            pos = self.rotary(h, position_ids=self.position_ids)
+            attn, _ = layer.self_attn(hidden_states=layer.input_layernorm(h),
+                                      attention_mask=causal_mask(self.config, h, self.position_ids),
+                                      position_ids=self.position_ids, position_embeddings=pos)
+            mids.append(h + attn)
+        h_mid = torch.cat(mids)
+        return h_mid, layer.post_attention_layernorm(h_mid)
+
+    def advance(self, h_mid: torch.Tensor, ffn_out: torch.Tensor) -> None:
+        """Next layer's input = residual after attention + this layer's FFN output (dense or carved)."""
+        self.hidden = h_mid + ffn_out.view_as(h_mid)
+
+
 @torch.no_grad()
 def stream_hidden(stacks: list[LayerStack], ids: torch.Tensor,
                   progress: Callable[[str, int, int], None] | None = None) -> list[torch.Tensor]:
     """Final hidden states (after the final norm), float32, of each stack on ids (batch, seq): layer i of every stack
     is built, run and freed before layer i + 1; each stack uses its own config's rotary embedding and mask (so a
     config that lost a rope or window setting shows)."""
-    position_ids = torch.arange(ids.shape[1]).unsqueeze(0)
+    pos_ids = position_ids(ids.shape[1])
     hidden = [s.embed(ids) for s in stacks]
-    rotary = [s.rotary_cls(s.config) for s in stacks]
-    masks = [causal_mask(s.config, h, position_ids) for s, h in zip(stacks, hidden)]
+    rotary = [s.rotary() for s in stacks]
+    masks = [causal_mask(s.config, h, pos_ids) for s, h in zip(stacks, hidden)]
     n_layers = stacks[0].n_layers
     for i in range(n_layers):
         for j, s in enumerate(stacks):
             layer = s.layer(i)
-            pos = rotary[j](hidden[j], position_ids=position_ids)
+            pos = rotary[j](hidden[j], position_ids=pos_ids)
             out = layer(hidden_states=hidden[j], position_embeddings=pos, attention_mask=masks[j],
-                        position_ids=position_ids)
+                        position_ids=pos_ids)
             hidden[j] = out[0] if isinstance(out, tuple) else out
             del layer
         if progress:
@@ -256,5 +310,5 @@ def kl_to_reference(ref: LayerStack, ref_final: torch.Tensor, other: LayerStack,
     return total / a.shape[0]
 
 
-__all__ = ["causal_mask", "LayerStack", "source_stack", "moe_stack", "stream_hidden", "logits", "max_logit_diff", "kl_to_reference",
-           "MOE_CLASSES"]
+__all__ = ["causal_mask", "position_ids", "ResidentRun", "LayerStack", "source_stack", "moe_stack", "stream_hidden",
+           "logits", "max_logit_diff", "kl_to_reference", "MOE_CLASSES"]

@@ -231,6 +231,35 @@ def legacy_rope(rope_parameters: dict) -> tuple[float, dict | None]:
     return theta, scaling
 
 
+def target_format(src: SourceModel, requested: str, *, shared: bool, dense_layers: bool = False,
+                  shared_fix: str = "leave out the shared expert") -> str:
+    """The one format choice every stage makes: Qwen3-MoE for a Qwen3 source (its q/k norms; no stock class holds
+    them with a shared expert), Qwen2-MoE for Qwen2 (its q/k/v biases), else Mixtral unless a shared expert or a
+    dense layer needs Qwen2-MoE (`auto`); a requested format that cannot hold the source or the layout is refused.
+    shared_fix: the hint when a Qwen3 source is asked for a shared expert (each stage names its own flags)."""
+    if src.qk_norm:
+        if shared:
+            raise MoeifyError(f"{src.path} is a Qwen3 model: Qwen3-MoE, the one stock class with its q/k norms, has no "
+                              "shared expert", shared_fix)
+        if requested not in ("auto", "qwen3_moe"):
+            raise MoeifyError(f"--format {requested} cannot hold the q/k norms of {src.path} (qwen3)",
+                              "use --format qwen3_moe (or auto)")
+        return "qwen3_moe"
+    if requested == "qwen3_moe":
+        raise MoeifyError(f"--format qwen3_moe needs a Qwen3 source; {src.path} is {src.model_type} (its attention "
+                          "has no q/k norms)", "use --format mixtral or qwen2_moe (or auto)")
+    if src.qkv_bias:
+        if requested == "mixtral":
+            raise MoeifyError(f"--format mixtral cannot hold the q/k/v biases of {src.path} ({src.model_type})",
+                              "use --format qwen2_moe (or auto)")
+        return "qwen2_moe"
+    if requested == "mixtral" and shared:
+        raise MoeifyError("--format mixtral has no shared expert", "use --format qwen2_moe (or auto)")
+    if requested == "auto":
+        return "qwen2_moe" if shared or dense_layers else "mixtral"
+    return requested
+
+
 def target_config(src: SourceModel, fmt: str, *, experts: int, top_k: int, expert_width: int, shared_width: int,
                   dense_layers: tuple[int, ...], dtype: torch.dtype, tied: bool, renormalise: bool = False) -> dict:
     """config.json for the output, built by the transformers config class, plus legacy rope keys. renormalise: a

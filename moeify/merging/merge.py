@@ -117,7 +117,7 @@ def layer_states(plan: UpcyclePlan, groups: list[tuple[torch.Tensor, torch.Tenso
     "last": the hidden state entering the layer at each sequence's last token, averaged over its sequences;
     "avg": the hidden state entering the layer averaged over each sequence's tokens, then over its sequences;
     "router_input": the post-attention-norm hidden state (the router's input), averaged over all its tokens."""
-    from ..carving.calibrate import LayerwiseModel
+    from ..evaluation.layerwise import ResidentRun, source_stack
 
     seq = max(ids.shape[1] for ids, _ in groups)
     ids = torch.cat([torch.nn.functional.pad(g, (0, seq - g.shape[1])) for g, _ in groups])
@@ -129,7 +129,7 @@ def layer_states(plan: UpcyclePlan, groups: list[tuple[torch.Tensor, torch.Tenso
     toks = member * lengths[None, :].float()
     toks = toks / toks.sum(1, keepdim=True)  # a group's mean over its tokens, from each sequence's mean
 
-    model = LayerwiseModel(plan.src, plan.reader, ids)
+    model = ResidentRun(source_stack(plan.src, plan.reader), ids)
     out: dict[str, list] = {"last": [], "avg": [], "router_input": []}
     for i in range(plan.src.n_layers):
         h = model.hidden

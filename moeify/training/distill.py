@@ -34,16 +34,15 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from safetensors.torch import load_file, save_file
 
-from ..formats.families import attention_tensors
 from .kl import chunked_kl
+from .steps import Pending, TempKeeper, WindowStream, attention_params, eager_forwards, final_hidden, moe_kernel
+from .steps import share_frozen  # noqa: F401  (re-exported: its old home)
 from ..maths.moe_block import MaskedMoE
 from ..maths.numerics import tuning_autocast
 
@@ -83,51 +82,6 @@ class DistillSettings:
     # always in float32. bf16 measured alike at equal tokens (SmolLM2, 50% preset, 65,536 tokens: within 0.16% on
     # three texts) and 11-13% faster a step (BENCHMARKS.md "Tuning speed"); the held-out checks stay float32
     seed: int = 0
-
-
-def final_hidden(model, ids: torch.Tensor) -> torch.Tensor:
-    return model.model(input_ids=ids).last_hidden_state
-
-
-class WindowStream:
-    """Training windows drawn in a seeded random order without replacement, reshuffled when all were seen. Its
-    position (generator state, order, offset, passes) is part of a tuning run's saved state."""
-
-    def __init__(self, windows: torch.Tensor, seed: int):
-        self.windows, self.gen, self.order, self.pos, self.passes = windows, torch.Generator().manual_seed(seed), None, 0, 0
-        self._shuffle()
-
-    def _shuffle(self):
-        self.order, self.pos = torch.randperm(self.windows.shape[0], generator=self.gen), 0
-
-    def take(self, n: int) -> torch.Tensor:
-        return self.windows[self.take_indices(n)]
-
-    def take_indices(self, n: int) -> torch.Tensor:
-        out = []
-        while n:
-            if self.pos == len(self.order):
-                self._shuffle()
-                self.passes += 1
-            m = min(n, len(self.order) - self.pos)
-            out.append(self.order[self.pos:self.pos + m])
-            self.pos, n = self.pos + m, n - m
-        return torch.cat(out)
-
-    def state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        return {"stream.gen": self.gen.get_state(), "stream.order": self.order.clone()}, {"pos": self.pos,
-                                                                                          "passes": self.passes}
-
-    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-        if tensors["stream.order"].numel() != self.windows.shape[0]:
-            raise ValueError("saved stream position is for another set of training windows")
-        self.gen.set_state(tensors["stream.gen"])
-        self.order, self.pos, self.passes = tensors["stream.order"].clone(), int(meta["pos"]), int(meta["passes"])
-
-
-def eager_forwards(teacher, student) -> tuple[Callable, Callable]:
-    """(teacher's final hidden states of a micro-batch, student's), uncompiled."""
-    return (lambda ids: final_hidden(teacher, ids)), (lambda ids: final_hidden(student, ids))
 
 
 def wants_compile(settings: DistillSettings, device: torch.device, sharded: bool = False) -> bool:
@@ -190,19 +144,6 @@ def lr_scale(settings: DistillSettings) -> float:
     return math.sqrt(max(settings.batch_tokens, settings.lr_reference_tokens) / settings.lr_reference_tokens)
 
 
-def moe_kernel(kernel: str, device: torch.device) -> str:
-    """The MoE block's kernel a run uses: "auto" is grouped on a GPU and masked on a CPU (measured there: torch's
-    CPU grouped GEMM loses to the masked dense products at the presets' layouts; BENCHMARKS.md "Tuning speed"),
-    MOEIFY_MOE_KERNEL set to masked or grouped overriding it. Blocks where grouped does not apply compute masked."""
-    from ..maths.moe_block import KERNELS
-
-    if kernel == "auto":
-        kernel = os.environ.get("MOEIFY_MOE_KERNEL") or ("grouped" if torch.device(device).type == "cuda" else "masked")
-    if kernel not in KERNELS:
-        raise ValueError(f"moe kernel {kernel!r}: use one of {', '.join(KERNELS)} or auto")
-    return kernel
-
-
 _STEP_HOOK = None
 
 
@@ -211,43 +152,6 @@ def set_step_hook(hook) -> None:
     score held-out texts along one run (scripts/bench_quality.py's tokens -> quality curve)."""
     global _STEP_HOOK
     _STEP_HOOK = hook
-
-
-@dataclass(frozen=True)
-class Pending:
-    """A tensor of a saved state, produced when it is written (moeify.tuning.TuningState writes one at a time, so the
-    writer never holds the whole state in host memory): produce() gathers it (a collective across processes: every
-    rank calls it, in the same order) and returns it whole on the writing rank, None on the others."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    produce: Callable[[], torch.Tensor | None]
-
-
-def materialize(tensors: dict) -> dict[str, torch.Tensor]:
-    """The tensors of a state, Pending ones produced (one process)."""
-    return {k: v.produce() if isinstance(v, Pending) else v for k, v in tensors.items()}
-
-
-class _TempKeeper:
-    """Where a run that saves no state (a library call without a state directory) keeps its best checked weights: a
-    temporary file, on disk rather than in memory."""
-
-    def __init__(self):
-        self._dir = tempfile.TemporaryDirectory(prefix="moeify-distill-")
-        self._file = f"{self._dir.name}/kept.safetensors"
-
-    def keep(self, tensors: dict, step: int) -> None:
-        save_file(materialize(tensors), self._file)
-
-    def kept(self) -> dict[str, torch.Tensor]:
-        return load_file(self._file)
-
-    def checkpoint(self, step: int, total: int, snapshot) -> None:
-        pass
-
-    def close(self) -> None:
-        self._dir.cleanup()
 
 
 def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, settings: DistillSettings,
@@ -268,12 +172,36 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
     processes (the student's MaskedMoEs sharded by FSDP2; each rank trains on its share of every step's windows).
     held_targets: (m, seq, d) the teacher's final hidden states of the held-out windows (computed before; None: the
     teacher runs on them once here)."""
-    from .parallel import Parallel, assign, full, like
+    from .parallel import Parallel
 
     par = par or Parallel()
     if settings.router_grad not in ("topk", "dense"):
         raise ValueError(f"router_grad {settings.router_grad!r}: use 'topk' or 'dense'")
-    device = next(student.parameters()).device
+    run = _Distillation(teacher, student, train, held_out, settings, par, resume, held_targets)
+    run.begin(state if state is not None else TempKeeper(), resume)
+    for step in range(run.done + 1, run.total + 1):
+        run.step(step, progress, targets)
+        run.keeper.checkpoint(step, run.total, lambda step=step: run.snapshot(step))
+    return run.finish(close=state is None)
+
+
+@dataclass(frozen=True)
+class _Trainable:
+    """What a distill run trains: the student's MaskedMoEs, and their tensors (and the attention's) by kind; params
+    is every one of them in the order of the saved state's param.{j} (experts, routers, temperatures, attention)."""
+
+    moes: list
+    experts: list
+    routers: list
+    temps: list
+    attention: list
+    params: list
+    kernel: str  # the MoE blocks' kernel (moe_kernel)
+
+
+def _trainable(student, settings: DistillSettings, device: torch.device) -> _Trainable:
+    """The student's tensors a run trains, marked trainable and every other one frozen; its MoE blocks set to the
+    run's kernel and router gradient."""
     moes = [m for m in student.modules() if isinstance(m, MaskedMoE)]
     for p in student.parameters():
         p.requires_grad_(False)
@@ -288,26 +216,44 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
     params = experts + routers + temps + attention
     for p in params:
         p.requires_grad_(True)
-    r_tensors, r_meta = resume if resume is not None else ({}, {})
+    return _Trainable(moes, experts, routers, temps, attention, params, kernel)
+
+
+def _base_lrs(tr: _Trainable, settings: DistillSettings, resume: tuple[dict, dict] | None) -> list[float]:
+    """The step sizes of the run's start: a resumed run's own (its weights put back), else each tensor's step relative
+    to its RMS at the start of the run and the temperatures' absolute one, both scaled to the batch (1 at
+    lr_reference_tokens)."""
+    from .parallel import assign, full
+
     if resume is not None:
-        if len(r_meta["base_lrs"]) != len(params) - len(temps) + bool(temps):
+        r_tensors, r_meta = resume
+        if len(r_meta["base_lrs"]) != len(tr.params) - len(tr.temps) + bool(tr.temps):
             raise ValueError("saved tuning state is for another set of trainable tensors")
         base_lrs = list(r_meta["base_lrs"])  # the step sizes of the run's start, not of the resumed weights
-        for j, p in enumerate(params):
+        for j, p in enumerate(tr.params):
             assign(p, r_tensors[f"param.{j}"])
-    else:  # each tensor's step relative to its RMS at the start of the run; the temperatures' absolute; both scaled
-        scale = lr_scale(settings)  # to the batch (1 at lr_reference_tokens)
-        base_lrs = [rel * scale * full(p.detach()).pow(2).mean().sqrt().item()
-                    for ps, rel in ((experts + routers, settings.lr), (attention, settings.attention_lr)) for p in ps]
-        base_lrs += [settings.temp_lr * scale] if temps else []
-    n_single = len(experts) + len(routers) + len(attention)
-    ordered = experts + routers + attention  # the single-tensor groups, in base_lrs order
+        return base_lrs
+    scale = lr_scale(settings)
+    base_lrs = [rel * scale * full(p.detach()).pow(2).mean().sqrt().item()
+                for ps, rel in ((tr.experts + tr.routers, settings.lr), (tr.attention, settings.attention_lr))
+                for p in ps]
+    return base_lrs + ([settings.temp_lr * scale] if tr.temps else [])
+
+
+def _optimizer(tr: _Trainable, base_lrs: list[float], fused: bool, resume: tuple[dict, dict] | None
+               ) -> torch.optim.Adam:
+    """Adam over a group per tensor (the temperatures one group), at the base step sizes; a resumed run's moments put
+    back. fused: the fused kernel (one GPU: a step's ~100 small tensors in a few launches); else torch's default."""
+    from .parallel import like
+
+    n_single = len(tr.experts) + len(tr.routers) + len(tr.attention)
+    ordered = tr.experts + tr.routers + tr.attention  # the single-tensor groups, in base_lrs order
     groups = [{"params": [p], "lr": lr} for p, lr in zip(ordered, base_lrs[:n_single])]
-    if temps:
-        groups.append({"params": temps, "lr": base_lrs[-1]})
-    # one GPU: the fused Adam kernel (a step's ~100 small tensors in a few launches); elsewhere torch's default
-    opt = torch.optim.Adam(groups, betas=(0.9, 0.99), fused=True if device.type == "cuda" and not par.sharded else None)
+    if tr.temps:
+        groups.append({"params": tr.temps, "lr": base_lrs[-1]})
+    opt = torch.optim.Adam(groups, betas=(0.9, 0.99), fused=True if fused else None)
     if resume is not None:
+        r_tensors, r_meta = resume
         by_index = [p for g in groups for p in g["params"]]  # the optimizer's own numbering of the parameters
 
         def moments(i: int) -> dict:
@@ -316,170 +262,185 @@ def distill(teacher, student, train: torch.Tensor, held_out: torch.Tensor, setti
 
         opt.load_state_dict({"state": {i: moments(i) for i in range(len(by_index)) if f"opt.{i}.step" in r_tensors},
                              "param_groups": r_meta["param_groups"]})
-    seq = train.shape[1]
-    per_step = max(1, settings.batch_tokens // seq)
-    if per_step % par.world:
-        raise ValueError(f"{per_step} windows a step cannot be split evenly across {par.world} processes")
-    total = max(1, math.ceil(settings.tokens / (per_step * seq)))
-    warm = min(settings.warmup_steps, max(1, total // 10))
+    return opt
 
-    start = settings.schedule_from
 
-    def lr_at(step: int) -> float:  # step 0-based; warm-up to the cosine's value at `start`, then its rest
-        if step < warm:
-            return (step + 1) / warm * 0.5 * (1 + math.cos(math.pi * start))
-        return 0.5 * (1 + math.cos(math.pi * (start + (1 - start) * (step - warm) / max(1, total - warm))))
+def lr_factor(step: int, warm: int, total: int, start: float) -> float:
+    """The step size's factor at `step` (0-based) of `total`: a linear warm-up over `warm` steps to the cosine's value
+    at `start` (DistillSettings.schedule_from), then the rest of that cosine."""
+    if step < warm:
+        return (step + 1) / warm * 0.5 * (1 + math.cos(math.pi * start))
+    return 0.5 * (1 + math.cos(math.pi * (start + (1 - start) * (step - warm) / max(1, total - warm))))
 
-    ctx, bf16 = tuning_autocast(str(device), settings.autocast)
-    head = student.lm_head.weight
-    fwd_t, fwd_s, compiled = compiled_forwards(teacher, student, settings, sharded=bool(par and par.sharded))
-    if held_targets is not None and len(held_targets) == len(held_out):
-        hold_t = [held_targets[s:s + per_step].to(device, torch.float32) for s in range(0, len(held_out), per_step)]
-    else:
-        with torch.no_grad(), ctx:  # the teacher's final hidden states on the held-out windows, once
-            hold_t = [final_hidden(teacher, held_out[s:s + per_step].to(device))
-                      for s in range(0, len(held_out), per_step)]
 
-    def held_kl() -> float:
-        with torch.no_grad(), ctx:
-            kl = [chunked_kl(final_hidden(student, held_out[s:s + per_step].to(device)), t, head, settings.kl_chunk)
-                  * t.shape[0] for s, t in zip(range(0, len(held_out), per_step), hold_t)]
+class _Distillation:
+    """A distill run between its setup and its end: what trains, the optimizer, the step and its schedule, the
+    held-out check, the token stream, and the record kept along the run (best, curve, train KL, time)."""
+
+    def __init__(self, teacher, student, train: torch.Tensor, held_out: torch.Tensor, settings: DistillSettings,
+                 par, resume: tuple[dict, dict] | None, held_targets: torch.Tensor | None):
+        self.teacher, self.student, self.train, self.held_out, self.settings, self.par = (
+            teacher, student, train, held_out, settings, par)
+        self.device = device = next(student.parameters()).device
+        self.tr = _trainable(student, settings, device)
+        self.base_lrs = _base_lrs(self.tr, settings, resume)
+        self.opt = _optimizer(self.tr, self.base_lrs, device.type == "cuda" and not par.sharded, resume)
+        self.seq = seq = train.shape[1]
+        self.per_step = per_step = max(1, settings.batch_tokens // seq)
+        if per_step % par.world:
+            raise ValueError(f"{per_step} windows a step cannot be split evenly across {par.world} processes")
+        self.total = max(1, math.ceil(settings.tokens / (per_step * seq)))
+        self.warm = min(settings.warmup_steps, max(1, self.total // 10))
+        self.ctx, self.bf16 = tuning_autocast(str(device), settings.autocast)
+        self.head = student.lm_head.weight
+        self.fwd_t, self.fwd_s, self.compiled = compiled_forwards(teacher, student, settings,
+                                                                  sharded=bool(par and par.sharded))
+        self.hold_t = self._held_out_targets(held_targets)
+
+    def _held_out_targets(self, held_targets: torch.Tensor | None) -> list[torch.Tensor]:
+        """The teacher's final hidden states on the held-out windows, a step's windows a tensor: given, or computed
+        once here."""
+        held_out, per_step, device = self.held_out, self.per_step, self.device
+        if held_targets is not None and len(held_targets) == len(held_out):
+            return [held_targets[s:s + per_step].to(device, torch.float32) for s in range(0, len(held_out), per_step)]
+        with torch.no_grad(), self.ctx:
+            return [final_hidden(self.teacher, held_out[s:s + per_step].to(device))
+                    for s in range(0, len(held_out), per_step)]
+
+    def held_kl(self) -> float:
+        held_out, per_step = self.held_out, self.per_step
+        with torch.no_grad(), self.ctx:
+            kl = [chunked_kl(final_hidden(self.student, held_out[s:s + per_step].to(self.device)), t, self.head,
+                             self.settings.kl_chunk) * t.shape[0]
+                  for s, t in zip(range(0, len(held_out), per_step), self.hold_t)]
         return (sum(kl) / len(held_out)).item()
 
-    def host(t: torch.Tensor) -> torch.Tensor | None:  # the whole tensor (gathered from the ranks' shards: every
-        whole = full(t.detach())  # rank takes part), kept in host memory by rank 0 only (the rank that saves it)
-        return whole.contiguous().cpu() if par.main else None
+    def _host(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The whole tensor (gathered from the ranks' shards: every rank takes part), kept in host memory by rank 0
+        only (the rank that saves it)."""
+        from .parallel import full
 
-    def pending(t: torch.Tensor) -> Pending:  # gathered when it is written, one tensor at a time
-        return Pending(tuple(t.shape), t.dtype, lambda t=t: host(t))
+        whole = full(t.detach())
+        return whole.contiguous().cpu() if self.par.main else None
 
-    def trainable() -> dict[str, Pending]:
-        return {f"param.{j}": pending(p) for j, p in enumerate(params)}
+    def _pending(self, t: torch.Tensor) -> Pending:  # gathered when it is written, one tensor at a time
+        return Pending(tuple(t.shape), t.dtype, lambda t=t: self._host(t))
 
-    stream = WindowStream(train, settings.seed)
-    checks = sorted({max(1, round(total * (i + 1) / settings.evals)) for i in range(settings.evals)})
-    keeper = state if state is not None else _TempKeeper()
-    if resume is not None:
-        stream.load_state(r_tensors, r_meta["stream"])
-        before, best, best_step = r_meta["before"], r_meta["best"], r_meta["best_step"]
-        curve, ema, done = [tuple(c) for c in r_meta["curve"]], r_meta["ema"], r_meta["step"]
-        seconds_before, cpu_before = r_meta["seconds"], r_meta["cpu_seconds"]
-    else:
-        before = best = held_kl()
-        keeper.keep(trainable(), 0)
-        best_step, curve, ema, done, seconds_before, cpu_before = 0, [(0, before)], None, 0, 0.0, 0.0
-    t0, cpu0, hook_s, hook_cpu = time.time(), time.process_time(), 0.0, 0.0
+    def trainable(self) -> dict[str, Pending]:
+        return {f"param.{j}": self._pending(p) for j, p in enumerate(self.tr.params)}
 
-    def snapshot(step: int) -> tuple[dict, dict]:
-        tensors = trainable()
-        opt_state = opt.state_dict()
+    def begin(self, keeper, resume: tuple[dict, dict] | None) -> None:
+        """The token stream, the held-out checks' steps and the record: a resumed run's, or a new one's (the carved
+        model checked and kept); the clocks started and the step hook shown the carved model."""
+        self.stream = WindowStream(self.train, self.settings.seed)
+        evals = self.settings.evals
+        self.checks = sorted({max(1, round(self.total * (i + 1) / evals)) for i in range(evals)})
+        self.keeper = keeper
+        if resume is not None:
+            r_tensors, r_meta = resume
+            self.stream.load_state(r_tensors, r_meta["stream"])
+            self.before, self.best, self.best_step = r_meta["before"], r_meta["best"], r_meta["best_step"]
+            self.curve, ema, self.done = [tuple(c) for c in r_meta["curve"]], r_meta["ema"], r_meta["step"]
+            self.seconds_before, self.cpu_before = r_meta["seconds"], r_meta["cpu_seconds"]
+        else:
+            self.before = self.best = self.held_kl()
+            keeper.keep(self.trainable(), 0)
+            self.best_step, self.curve, ema, self.done = 0, [(0, self.before)], None, 0
+            self.seconds_before, self.cpu_before = 0.0, 0.0
+        self.t0, self.cpu0, self.hook_s, self.hook_cpu = time.time(), time.process_time(), 0.0, 0.0
+        if _STEP_HOOK is not None and self.done == 0:  # the carved model, before any step
+            self._hook(0)
+        self.t_rate, self.done_rate, self.shown = time.time(), self.done, 0.0
+        # the train KL's running mean stays on the device (float64: the arithmetic of the Python floats it replaced,
+        # so a resumed run's numbers are the same): the loop reads nothing back from a GPU between steps except when
+        # it shows progress (at most every settings.show_every s; on a CPU, where nothing waits, every step), checks
+        # the held-out windows or saves a snapshot
+        self.on_gpu = torch.device(self.device).type == "cuda"
+        self.ema = None if ema is None else torch.tensor(ema, dtype=torch.float64, device=self.device)
+
+    def _hook(self, step: int) -> None:
+        """The benchmarks' step hook (set_step_hook); its time is not tuning time."""
+        h0, hc0 = time.time(), time.process_time()
+        _STEP_HOOK(self.student, step, step * self.per_step * self.seq)
+        self.hook_s, self.hook_cpu = self.hook_s + time.time() - h0, self.hook_cpu + time.process_time() - hc0
+
+    def snapshot(self, step: int) -> tuple[dict, dict]:
+        tensors = self.trainable()
+        opt_state = self.opt.state_dict()
         for i, st in opt_state["state"].items():
             for k, v in st.items():
-                tensors[f"opt.{i}.{k}"] = pending(v)
-        stream_t, stream_m = stream.state()
+                tensors[f"opt.{i}.{k}"] = self._pending(v)
+        stream_t, stream_m = self.stream.state()
         tensors.update(stream_t)
-        meta = {"step": step, "total": total, "base_lrs": base_lrs, "param_groups": opt_state["param_groups"],
-                "stream": stream_m, "before": before, "best": best, "best_step": best_step,
-                "curve": [list(c) for c in curve], "ema": None if ema is None else ema.item(),
-                "seconds": seconds_before + time.time() - t0 - hook_s,
-                "cpu_seconds": cpu_before + time.process_time() - cpu0 - hook_cpu}
+        meta = {"step": step, "total": self.total, "base_lrs": self.base_lrs,
+                "param_groups": opt_state["param_groups"], "stream": stream_m, "before": self.before,
+                "best": self.best, "best_step": self.best_step, "curve": [list(c) for c in self.curve],
+                "ema": None if self.ema is None else self.ema.item(),
+                "seconds": self.seconds_before + time.time() - self.t0 - self.hook_s,
+                "cpu_seconds": self.cpu_before + time.process_time() - self.cpu0 - self.hook_cpu}
         return tensors, meta
 
-    if _STEP_HOOK is not None and done == 0:  # the carved model, before any step
-        h0, hc0 = time.time(), time.process_time()
-        _STEP_HOOK(student, 0, 0)
-        hook_s, hook_cpu = time.time() - h0, time.process_time() - hc0
-    t_rate, done_rate, shown = time.time(), done, 0.0
-    # the train KL's running mean stays on the device (float64: the arithmetic of the Python floats it replaced, so
-    # a resumed run's numbers are the same): the loop reads nothing back from a GPU between steps except when it
-    # shows progress (at most every settings.show_every s; on a CPU, where nothing waits, every step), checks the
-    # held-out windows or saves a snapshot
-    on_gpu = torch.device(device).type == "cuda"
-    ema = None if ema is None else torch.tensor(ema, dtype=torch.float64, device=device)
-    for step in range(done + 1, total + 1):
-        for g, lr in zip(opt.param_groups, base_lrs):
-            g["lr"] = lr * lr_at(step - 1)
+    def step(self, step: int, progress, targets) -> None:
+        """One optimizer step (1-based) on this rank's share of the step's windows; the held-out check where one is
+        due (the best checked weights kept), the progress shown, the step hook called."""
+        par, opt, settings = self.par, self.opt, self.settings
+        for g, lr in zip(opt.param_groups, self.base_lrs):
+            g["lr"] = lr * lr_factor(step - 1, self.warm, self.total, settings.schedule_from)
         opt.zero_grad(set_to_none=True)
         par.at(f"step {step:,} of the tuning loop")
-        idx = stream.take_indices(per_step)[par.rank::par.world]  # this rank's share of the step's windows
-        step_kl = par.mean(accumulate_kl(teacher, student, train[idx], head, ctx, settings,
+        idx = self.stream.take_indices(self.per_step)[par.rank::par.world]  # this rank's share of the step's windows
+        step_kl = par.mean(accumulate_kl(self.teacher, self.student, self.train[idx], self.head, self.ctx, settings,
                                          None if targets is None else [targets(int(i)) for i in idx],
-                                         (fwd_t, fwd_s))).double()
+                                         (self.fwd_t, self.fwd_s))).double()
         opt.step()
-        ema = step_kl if ema is None else 0.95 * ema + 0.05 * step_kl
-        if step in checks:
-            kl = held_kl()
-            curve.append((step, kl))
-            if kl < best:
-                best, best_step = kl, step
-                keeper.keep(trainable(), step)
-        if progress and (not on_gpu or step == total or step in checks or time.time() - shown >= settings.show_every):
-            shown = time.time()
-            rate = (step - done_rate) * per_step * seq / max(1e-9, shown - t_rate)
-            progress("tuning", step * per_step * seq, total * per_step * seq,
-                     f"{rate:,.0f} tok/s, KL train {ema.item():.3f} held {curve[-1][1]:.3f}")
-        if _STEP_HOOK is not None:  # its time is not tuning time
-            h0, hc0 = time.time(), time.process_time()
-            _STEP_HOOK(student, step, step * per_step * seq)
-            hook_s, hook_cpu = hook_s + time.time() - h0, hook_cpu + time.process_time() - hc0
-        keeper.checkpoint(step, total, lambda step=step: snapshot(step))
-    train_kl = None if ema is None else ema.item()
-    for m in moes:
-        m.dense_grad = False
-    opt = None  # the Adam state, before the kept weights are read back
-    kept = keeper.kept()
-    if state is None:
-        keeper.close()
-    for j, p in enumerate(params):
-        assign(p, kept.pop(f"param.{j}"))
-        p.requires_grad_(False)
-    seconds = seconds_before + time.time() - t0 - hook_s
-    tokens = total * per_step * seq
-    return {"holdout_kl_before": before, "holdout_kl_after": best, "train_kl_end": train_kl, "step_kept": best_step,
-            "holdout_curve": [[s, round(k, 5)] for s, k in curve], "steps": total, "tokens": tokens,
-            "train_windows": int(train.shape[0]), "held_out_windows": int(held_out.shape[0]),
-            "passes": round(tokens / max(1, train.numel()), 3), "seconds": round(seconds, 1),
-            "cpu_seconds": round(cpu_before + time.process_time() - cpu0 - hook_cpu, 1),
-            "seconds_per_1k_tokens": round(1024 * seconds / tokens, 3), "bf16_autocast": bf16,
-            "kl_logits": "bf16" if bf16 and settings.kl_logits == "autocast" else "float32",  # the training KL's
-            "router_trained": settings.train_router, "attention_trained": settings.train_attention,
-            "batch_tokens": per_step * seq, "micro_windows": settings.micro_windows, "moe_kernel": kernel,
-            "compiled": compiled, "lr_scale": round(lr_scale(settings), 4)}
+        self.ema = step_kl if self.ema is None else 0.95 * self.ema + 0.05 * step_kl
+        if step in self.checks:
+            kl = self.held_kl()
+            self.curve.append((step, kl))
+            if kl < self.best:
+                self.best, self.best_step = kl, step
+                self.keeper.keep(self.trainable(), step)
+        if progress and (not self.on_gpu or step == self.total or step in self.checks
+                         or time.time() - self.shown >= settings.show_every):
+            self._show(step, progress)
+        if _STEP_HOOK is not None:
+            self._hook(step)
 
+    def _show(self, step: int, progress) -> None:
+        self.shown = time.time()
+        tokens = self.per_step * self.seq
+        rate = (step - self.done_rate) * tokens / max(1e-9, self.shown - self.t_rate)
+        progress("tuning", step * tokens, self.total * tokens,
+                 f"{rate:,.0f} tok/s, KL train {self.ema.item():.3f} held {self.curve[-1][1]:.3f}")
 
-def share_frozen(teacher, student, train_attention: bool, lowp: torch.dtype | None = None,
-                 own_attention: set[int] = frozenset()) -> int:
-    """Make the student use the teacher's own modules for everything tuning leaves frozen (embeddings, output head,
-    final norm, and unless train_attention each layer's attention and norms), so the model is not held twice; with
-    lowp (bf16 when distill runs under bf16 autocast) also store the teacher's FFN weights in that dtype: autocast
-    casts them to it at every call anyway, so the teacher's outputs are bit-identical and its FFNs take half the
-    memory. Layers in own_attention keep the student's own attention and norms (an earlier run tuned them). Returns
-    the bytes the student no longer holds."""
-    def nbytes(m):
-        return sum(t.numel() * t.element_size() for t in {id(t): t for t in m.parameters()}.values())
+    def finish(self, close: bool) -> dict:
+        """The run's end: the kept weights put back into the student (frozen again), the keeper closed where the run
+        made it; returns distill's info."""
+        from .parallel import assign
 
-    before = nbytes(student)
-    for name, child in list(teacher.model.named_children()):
-        if name != "layers":
-            setattr(student.model, name, child)
-    student.lm_head = teacher.lm_head
-    if not train_attention:
-        for i, (t_layer, s_layer) in enumerate(zip(teacher.model.layers, student.model.layers)):
-            for name, child in list(t_layer.named_children()):
-                if name != "mlp" and i not in own_attention:
-                    setattr(s_layer, name, child)
-    if lowp is not None:  # only the teacher's own FFNs: the shared modules are also run outside autocast
-        for layer in teacher.model.layers:
-            for m in layer.mlp.modules():
-                if isinstance(m, torch.nn.Linear):
-                    m.to(lowp)
-    shared = {id(p) for p in teacher.parameters()}
-    return before - sum(p.numel() * p.element_size() for p in
-                        {id(p): p for p in student.parameters() if id(p) not in shared}.values())
+        train_kl = None if self.ema is None else self.ema.item()
+        for m in self.tr.moes:
+            m.dense_grad = False
+        self.opt = None  # the Adam state, before the kept weights are read back
+        kept = self.keeper.kept()
+        if close:
+            self.keeper.close()
+        for j, p in enumerate(self.tr.params):
+            assign(p, kept.pop(f"param.{j}"))
+            p.requires_grad_(False)
+        return self._info(train_kl, self.seconds_before + time.time() - self.t0 - self.hook_s)
 
-
-def attention_params(model) -> list[torch.nn.Parameter]:
-    """Each decoder layer's attention projections and its RMSNorm weights (Qwen3's q/k norms too; biases, where a model has them, stay
-    fixed), in layer order: the tensors `train_attention` tunes besides the experts."""
-    return [model.get_submodule(f"model.layers.{i}.{name}").weight
-            for i in range(len(model.model.layers)) for name in attention_tensors(model.config.model_type)]
+    def _info(self, train_kl: float | None, seconds: float) -> dict:
+        settings, bf16, per_step, seq = self.settings, self.bf16, self.per_step, self.seq
+        tokens = self.total * per_step * seq
+        return {"holdout_kl_before": self.before, "holdout_kl_after": self.best, "train_kl_end": train_kl,
+                "step_kept": self.best_step, "holdout_curve": [[s, round(k, 5)] for s, k in self.curve],
+                "steps": self.total, "tokens": tokens, "train_windows": int(self.train.shape[0]),
+                "held_out_windows": int(self.held_out.shape[0]),
+                "passes": round(tokens / max(1, self.train.numel()), 3), "seconds": round(seconds, 1),
+                "cpu_seconds": round(self.cpu_before + time.process_time() - self.cpu0 - self.hook_cpu, 1),
+                "seconds_per_1k_tokens": round(1024 * seconds / tokens, 3), "bf16_autocast": bf16,
+                "kl_logits": "bf16" if bf16 and settings.kl_logits == "autocast" else "float32",  # the training KL's
+                "router_trained": settings.train_router, "attention_trained": settings.train_attention,
+                "batch_tokens": per_step * seq, "micro_windows": settings.micro_windows, "moe_kernel": self.tr.kernel,
+                "compiled": self.compiled, "lr_scale": round(lr_scale(settings), 4)}

@@ -29,6 +29,8 @@ contracts check it):
     lm_weights.py  below it: the model built on the meta device, each rank reading only its shards from OUT;
                  the output gathered and written one parameter at a time
     lm_options.py  beside options.py: what such a run is asked to do (TrainOptions) and its routing measures
+    across.py    beside options.py: either run on every rank seen from outside (run.py's and lm.py's): its
+                 errors as the user is told them, its process group closed
 
 Resumable: the run's whole state lives in `OUT.moeify-tune/` (state.py describes its files), saved atomically;
 `--resume` continues from it and ends with the weights an uninterrupted run would have (same machine and thread

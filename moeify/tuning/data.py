@@ -168,7 +168,7 @@ class TeacherTargets:
 
 def drawn_windows(n_train: int, seed: int, per_step: int, steps: int) -> torch.Tensor:
     """The training windows a run draws (moeify.training.distill.WindowStream with the run's seed), sorted, each once."""
-    from ..training.distill import WindowStream
+    from ..training.steps import WindowStream
 
     return torch.unique(WindowStream(torch.empty(n_train, 0), seed).take_indices(per_step * steps))
 

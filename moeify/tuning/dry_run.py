@@ -30,7 +30,7 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
     model where the GPU is too small otherwise; a run that fits nowhere here is refused before anything loads, as
     the run itself would be. Writes nothing. Returns the measured rates, the estimated time of the whole run and the
     memory model's prediction (moeify.maths.memory)."""
-    from ..training.distill import DistillSettings, distill, final_hidden
+    from ..training.distill import DistillSettings
     from ..maths.numerics import tuning_autocast
     from ..training.sampling import sample_text, sampling_seconds_per_token
     from ..training.parallel import Parallel
@@ -38,7 +38,6 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
     src, out = Path(src), Path(out)
     run = check_run(src, out, opts, resume=resume, restart=True, base=None, given=None, world=1)
     bo, opts, seq = run.bo, run.opts, run.seq
-    base = run.base
     dev = resolve_device(device)
     offload = fit_memory(src, bo, opts, Parallel(device=dev), offload, memory_check)
     teacher = load_teacher(src, dev)
@@ -61,30 +60,8 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
     sampling_rate = sampling_seconds_per_token(stamps, n_prompt, seq) / size * 1024
     # the teacher pass over the windows these steps draw (timed), then the teacher's FFNs freed, as the run does
     held1 = held[:1] if len(held) else real[-1:]
-    drawn = [] if inline else drawn_windows(real.shape[0], settings.seed, max(1, step // seq), steps)
-    t0 = time.time()
-    with torch.no_grad(), ctx:
-        kept = {int(i): final_hidden(teacher, real[i:i + 1].to(dev)).float().cpu()[0] for i in drawn}
-        held_t = None if inline else final_hidden(teacher, held1.to(dev)).float().cpu()
-    teacher_rate = 0.0 if inline else (time.time() - t0) / ((len(drawn) + 1) * seq) * 1024
-    if not inline:
-        free_teacher_ffns(teacher, bo)
-        release_memory()
-    par = Parallel(device=dev)
-    if offload:
-        from ..training.parallel import with_offload
-
-        par = with_offload(par)
-    stamps = []
-    try:
-        with contextlib.closing(CheckpointReader(base)) as reader:
-            student = tuning_student(teacher, bo, reader, par, opts.train_attention, tuning_autocast(dev, settings.autocast)[1])
-        info = distill(teacher, student, real, held1, settings, progress=lambda *a: stamps.append(time.time()),
-                       targets=kept.get, held_targets=held_t, par=par)
-    finally:
-        if par.own_group:
-            par.close()
-    step_s = (stamps[-2] - stamps[0]) / max(1, len(stamps) - 2)  # steps 2..n-1: no warm-up, no held-out check
+    kept, held_t, teacher_rate = _time_teacher(teacher, bo, real, held1, seq, settings, steps, inline, ctx, dev)
+    info, step_s = _time_steps(teacher, run, settings, real, held1, kept, held_t, dev, offload)
     per_step = max(1, settings.batch_tokens // seq) * seq
 
     def seconds_for(tokens: int) -> tuple[float, float, float, float]:
@@ -114,3 +91,48 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
             "seconds_for_tokens": {str(n): round(seconds_for(n)[0], 1) for n in BUDGETS},
             "peak_bytes": peak, "peak_what": what, "predicted": predicted.to_dict(),
             "host_peak_bytes": peak_memory("cpu")[0], "device_bytes": device_memory(dev)}
+
+
+def _time_teacher(teacher, bo, real: torch.Tensor, held1: torch.Tensor, seq: int, settings, steps: int,
+                  inline: bool, ctx, dev: str) -> tuple[dict, torch.Tensor | None, float]:
+    """The teacher pass over the windows `steps` steps draw and over the held-out window, timed, then the teacher's
+    FFNs freed, as the run does: (the kept targets by window, the held-out window's, seconds per 1,024 tokens); with
+    the teacher in the loop none of them ({}, None, 0.0)."""
+    from ..training.steps import final_hidden
+
+    drawn = [] if inline else drawn_windows(real.shape[0], settings.seed, max(1, settings.batch_tokens // seq), steps)
+    t0 = time.time()
+    with torch.no_grad(), ctx:
+        kept = {int(i): final_hidden(teacher, real[i:i + 1].to(dev)).float().cpu()[0] for i in drawn}
+        held_t = None if inline else final_hidden(teacher, held1.to(dev)).float().cpu()
+    teacher_rate = 0.0 if inline else (time.time() - t0) / ((len(drawn) + 1) * seq) * 1024
+    if not inline:
+        free_teacher_ffns(teacher, bo)
+        release_memory()
+    return kept, held_t, teacher_rate
+
+
+def _time_steps(teacher, run, settings, real: torch.Tensor, held1: torch.Tensor, kept: dict,
+                held_t: torch.Tensor | None, dev: str, offload: bool | None) -> tuple[dict, float]:
+    """distill's steps on the student built as the run builds it (offloaded where the run would be): (its info, the
+    seconds a step, timed over steps 2..n-1: no warm-up, no held-out check)."""
+    from ..training.distill import distill
+    from ..maths.numerics import tuning_autocast
+    from ..training.parallel import Parallel
+
+    par = Parallel(device=dev)
+    if offload:
+        from ..training.parallel import with_offload
+
+        par = with_offload(par)
+    stamps = []
+    try:
+        with contextlib.closing(CheckpointReader(run.base)) as reader:
+            student = tuning_student(teacher, run.bo, reader, par, run.opts.train_attention,
+                                     tuning_autocast(dev, settings.autocast)[1])
+        info = distill(teacher, student, real, held1, settings, progress=lambda *a: stamps.append(time.time()),
+                       targets=kept.get, held_targets=held_t, par=par)
+    finally:
+        if par.own_group:
+            par.close()
+    return info, (stamps[-2] - stamps[0]) / max(1, len(stamps) - 2)

@@ -39,8 +39,9 @@ import torch
 
 from ..formats.checkpoint import CheckpointReader
 from ..errors import MoeifyError
-from ..formats.output import check_free_space, commit_output, output_errors, prepare_output
+from ..formats.output import check_free_space, commit_output, prepare_output
 from ..formats.writer import ShardLayout, ShardWriter, check_written
+from .across import run_across
 from .lm_options import HOLD_OUT, TrainOptions, balance, is_trainable_output, load_summary, moe_shape
 from .lm_weights import planned, write_weights
 from .options import Progress
@@ -119,18 +120,9 @@ def train_output(out: str | Path, opts: TrainOptions | None = None, *, resume: b
     if par.device == "cpu":  # what a step frees goes back to the system (train_memory counts no fragmented heap)
         map_large_allocations()
     par.resume_hint = f"moeify tune {out} --resume"
-    try:
-        with output_errors(out):  # an OS error writing OUT or its state: one line naming OUT, OUT as it was
-            return _train_across(out, par, opts, resume=resume, restart=restart, save_every=save_every,
-                                 progress=progress if par.main else None, notify=notify if par.main else None,
-                                 given=given, memory_check=memory_check, offload=offload)
-    except RuntimeError as exc:
-        failed = par.failure(exc)
-        if failed is None:
-            raise
-        raise failed from None
-    finally:
-        par.close()
+    return run_across(par, out, lambda: _train_across(
+        out, par, opts, resume=resume, restart=restart, save_every=save_every, progress=progress if par.main else None,
+        notify=notify if par.main else None, given=given, memory_check=memory_check, offload=offload))
 
 
 def _check(out: Path, root: Path, par, opts: TrainOptions | None, resume: bool, restart: bool, given: dict | None,

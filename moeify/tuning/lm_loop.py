@@ -83,62 +83,99 @@ def train_step(model, windows: torch.Tensor, micro: int, per_rank: int, coef: fl
 def train_model(model, opts: TrainOptions, train: torch.Tensor, held: torch.Tensor, seq: int, dev: str,
                 state: TuningState, progress: Progress | None, par, bf16: bool) -> dict:
     """The run's steps (resumed from state's last snapshot when there is one); returns its record for report.json."""
-    from ..training.distill import Pending, WindowStream
-    from ..maths.numerics import tuning_autocast
-    from ..training.parallel import assign, full, like
+    run = _Training(model, opts, train, held, seq, dev, par, state)
+    t0 = time.time()
+    if run.before is None:
+        run.before = run.evaluate()
+    par.arrive("the training loop")
+    for step in range(run.start, run.total):
+        run.step(step, progress)
+        state.checkpoint(step + 1, run.total, lambda step=step: run.snapshot(step + 1))
+    after = run.evaluate()
+    return run.record(after, time.time() - t0)
 
-    n, k = _counts(model.config)
-    coef = opts.aux_loss_coef if opts.aux_loss_coef is not None else float(
-        getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)
-    params = [p for p in model.parameters() if p.requires_grad]
-    per_step = max(1, opts.step_tokens // seq)
-    per_rank = per_step // par.world
-    total = max(1, math.ceil(opts.tokens / (per_step * seq)))
-    warm = min(total, max(5, total // 20))  # Adam's first steps move every weight by the whole step: warm up
-    micro = per_rank if dev.startswith("cuda") else 1  # windows a forward
-    # FSDP2 computes in bf16 by its policy where the model is sharded; autocast in one process
-    ctx = contextlib.nullcontext() if par.sharded else tuning_autocast(dev, "auto")[0]
-    stream = WindowStream(train, opts.seed)
-    saved = state.load()
-    if saved is not None:
-        tensors, meta = saved
-        base_lrs = list(meta["base_lrs"])
-        for j, p in enumerate(params):
+
+class _Training:
+    """A next-token training run between its setup and its end: what trains, the step and its schedule, AdamW, the
+    token stream, and the record kept along the run (the held-out scores before, the curve and its current
+    interval: loss, balance, expert counts and steps summed since its last point)."""
+
+    def __init__(self, model, opts: TrainOptions, train: torch.Tensor, held: torch.Tensor, seq: int, dev: str, par,
+                 state: TuningState):
+        from ..training.steps import WindowStream
+        from ..maths.numerics import tuning_autocast
+
+        self.model, self.opts, self.held, self.seq, self.dev, self.par = model, opts, held, seq, dev, par
+        self.n, self.k = _counts(model.config)
+        self.coef = opts.aux_loss_coef if opts.aux_loss_coef is not None else float(
+            getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.per_step = per_step = max(1, opts.step_tokens // seq)
+        self.per_rank = per_step // par.world
+        self.total = total = max(1, math.ceil(opts.tokens / (per_step * seq)))
+        self.warm = min(total, max(5, total // 20))  # Adam's first steps move every weight by the whole step: warm up
+        self.micro = self.per_rank if dev.startswith("cuda") else 1  # windows a forward
+        # FSDP2 computes in bf16 by its policy where the model is sharded; autocast in one process
+        self.ctx = contextlib.nullcontext() if par.sharded else tuning_autocast(dev, "auto")[0]
+        self.stream = WindowStream(train, opts.seed)
+        saved = state.load()  # the last snapshot, or None
+        if saved is not None:
+            self._resume(*saved)
+        else:
+            self.base_lrs = [_base_lr(p, opts.lr) for p in self.params]
+            self.start, self.curve, self.before = 0, [], None
+            self.window_loss, self.window_aux, self.window_counts, self.window_steps = 0.0, 0.0, 0, 0
+        self.opt = self._optimizer(saved)
+        self.every = max(1, total // 20)  # points on the curve kept in report.json
+
+    def _resume(self, tensors: dict, meta: dict) -> None:
+        """The saved run's weights, stream position and record."""
+        from ..training.parallel import assign
+
+        self.base_lrs = list(meta["base_lrs"])
+        for j, p in enumerate(self.params):
             assign(p, tensors[f"param.{j}"])
-        stream.load_state({"stream.gen": tensors["stream.gen"], "stream.order": tensors["stream.order"]}, meta)
-        start, curve, before = int(meta["step"]), list(meta["curve"]), dict(meta["before"])
-        window = list(meta["window"])  # the curve's current interval: loss, balance, steps, and its counts
-        window.insert(2, tensors["window.counts"].to(dev) if "window.counts" in tensors else 0)
-    else:
-        base_lrs = [_base_lr(p, opts.lr) for p in params]
-        start, curve, before, window = 0, [], None, [0.0, 0.0, 0, 0]
-    opt = torch.optim.AdamW([{"params": [p], "lr": lr} for p, lr in zip(params, base_lrs)], betas=(0.9, 0.95),
-                            eps=1e-8, weight_decay=0.0)
-    if saved is not None:
-        tensors = saved[0]
-        opt.load_state_dict({"state": {j: {"step": tensors[f"opt.{j}.step"],
-                                           "exp_avg": like(p, tensors[f"opt.{j}.exp_avg"]),
-                                           "exp_avg_sq": like(p, tensors[f"opt.{j}.exp_avg_sq"])}
-                                       for j, p in enumerate(params) if f"opt.{j}.step" in tensors},
-                             "param_groups": meta["param_groups"]})
+        self.stream.load_state({"stream.gen": tensors["stream.gen"], "stream.order": tensors["stream.order"]}, meta)
+        self.start, self.curve, self.before = int(meta["step"]), list(meta["curve"]), dict(meta["before"])
+        # the curve's current interval: loss, balance, steps, and its counts
+        self.window_loss, self.window_aux, self.window_steps = list(meta["window"])
+        self.window_counts = tensors["window.counts"].to(self.dev) if "window.counts" in tensors else 0
 
-    def lr_at(step: int) -> float:
+    def _optimizer(self, saved: tuple[dict, dict] | None) -> torch.optim.AdamW:
+        """AdamW over a group per tensor at the base step sizes; a resumed run's moments put back."""
+        from ..training.parallel import like
+
+        opt = torch.optim.AdamW([{"params": [p], "lr": lr} for p, lr in zip(self.params, self.base_lrs)],
+                                betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+        if saved is not None:
+            tensors, meta = saved
+            opt.load_state_dict({"state": {j: {"step": tensors[f"opt.{j}.step"],
+                                               "exp_avg": like(p, tensors[f"opt.{j}.exp_avg"]),
+                                               "exp_avg_sq": like(p, tensors[f"opt.{j}.exp_avg_sq"])}
+                                           for j, p in enumerate(self.params) if f"opt.{j}.step" in tensors},
+                                 "param_groups": meta["param_groups"]})
+        return opt
+
+    def lr_at(self, step: int) -> float:
+        warm, total = self.warm, self.total
         if step < warm:
             return (step + 1) / warm
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
 
-    def forward(ids: torch.Tensor):
-        with ctx:
-            res = model(input_ids=ids.to(dev), output_router_logits=True)
-        ce = F.cross_entropy(res.logits[:, :-1].float().reshape(-1, res.logits.shape[-1]), ids[:, 1:].reshape(-1).to(dev))
-        aux, counts = balance(res.router_logits, n, k)
+    def forward(self, ids: torch.Tensor):
+        with self.ctx:
+            res = self.model(input_ids=ids.to(self.dev), output_router_logits=True)
+        ce = F.cross_entropy(res.logits[:, :-1].float().reshape(-1, res.logits.shape[-1]),
+                             ids[:, 1:].reshape(-1).to(self.dev))
+        aux, counts = balance(res.router_logits, self.n, self.k)
         return ce, aux, counts
 
-    def evaluate() -> dict:
+    def evaluate(self) -> dict:
+        held = self.held
         with torch.no_grad():
             ces, auxes, counts = [], [], 0
             for i in range(held.shape[0]):
-                ce, aux, c = forward(held[i:i + 1])
+                ce, aux, c = self.forward(held[i:i + 1])
                 ces.append(ce.item())
                 auxes.append(aux.item())
                 counts = counts + c
@@ -146,71 +183,81 @@ def train_model(model, opts: TrainOptions, train: torch.Tensor, held: torch.Tens
         return {"loss": round(loss, 5), "perplexity": round(math.exp(loss), 4),
                 "balance": round(sum(auxes) / len(auxes), 5), **load_summary(counts)}
 
-    def pending(t: torch.Tensor) -> Pending:  # gathered when written, one tensor at a time (a collective)
+    def _pending(self, t: torch.Tensor):  # gathered when written, one tensor at a time (a collective)
+        from ..training.steps import Pending
+        from ..training.parallel import full
+
+        par = self.par
         return Pending(tuple(t.shape), t.dtype,
                        lambda t=t: (lambda w: w.contiguous().cpu() if par.main else None)(full(t.detach())))
 
-    def snapshot() -> tuple[dict, dict]:
-        st = opt.state_dict()
-        tensors = {f"param.{j}": pending(p) for j, p in enumerate(params)}
+    def snapshot(self, done: int) -> tuple[dict, dict]:
+        """The run's state after `done` steps (TuningState.checkpoint)."""
+        st = self.opt.state_dict()
+        tensors = {f"param.{j}": self._pending(p) for j, p in enumerate(self.params)}
         for j, s in st["state"].items():
             tensors[f"opt.{j}.step"] = s["step"].detach().cpu().reshape(1) if torch.is_tensor(s["step"]) else \
                 torch.tensor([float(s["step"])])
-            tensors[f"opt.{j}.exp_avg"] = pending(s["exp_avg"])
-            tensors[f"opt.{j}.exp_avg_sq"] = pending(s["exp_avg_sq"])
-        gen, _ = stream.state()
+            tensors[f"opt.{j}.exp_avg"] = self._pending(s["exp_avg"])
+            tensors[f"opt.{j}.exp_avg_sq"] = self._pending(s["exp_avg_sq"])
+        gen, _ = self.stream.state()
         tensors.update({k: v.contiguous() for k, v in gen.items()})
-        if torch.is_tensor(window_counts):
-            tensors["window.counts"] = window_counts.cpu().contiguous()
-        meta = {"step": step + 1, "total": total, "base_lrs": base_lrs, "param_groups": st["param_groups"],
-                "curve": curve, "before": before, "pos": stream.pos, "passes": stream.passes,
-                "window": [window_loss, window_aux, window_steps]}
+        if torch.is_tensor(self.window_counts):
+            tensors["window.counts"] = self.window_counts.cpu().contiguous()
+        meta = {"step": done, "total": self.total, "base_lrs": self.base_lrs, "param_groups": st["param_groups"],
+                "curve": self.curve, "before": self.before, "pos": self.stream.pos, "passes": self.stream.passes,
+                "window": [self.window_loss, self.window_aux, self.window_steps]}
         return tensors, meta
 
-    t0 = time.time()
-    if before is None:
-        before = evaluate()
-    every = max(1, total // 20)  # points on the curve kept in report.json
-    window_loss, window_aux, window_counts, window_steps = window
-    par.arrive("the training loop")
-    step = start - 1
-    for step in range(start, total):
+    def step(self, step: int, progress: Progress | None) -> None:
+        """One optimizer step (0-based) on this rank's share of the step's windows, its loss, balance and expert
+        counts added to the curve's interval (over every rank's tokens), a curve point where one is due."""
+        par, opt = self.par, self.opt
         par.at(f"step {step + 1:,} of the training loop")
-        for g, lr in zip(opt.param_groups, base_lrs):
-            g["lr"] = lr * lr_at(step)
-        mine = stream.take(per_step)[par.rank::par.world]  # this rank's share of the step's windows
-        loss, aux, counts = train_step(model, mine, micro, per_rank, coef, forward)
+        for g, lr in zip(opt.param_groups, self.base_lrs):
+            g["lr"] = lr * self.lr_at(step)
+        mine = self.stream.take(self.per_step)[par.rank::par.world]  # this rank's share of the step's windows
+        loss, aux, counts = train_step(self.model, mine, self.micro, self.per_rank, self.coef, self.forward)
         if par.on:  # over every rank's tokens: the mean loss and balance, the summed expert counts
             loss, aux = (par.mean(torch.tensor(v, dtype=torch.float64)).item() for v in (loss, aux))
             counts = par.mean(counts) * par.world
-        window_loss, window_aux, window_counts = window_loss + loss, window_aux + aux, window_counts + counts
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        self.window_loss, self.window_aux, self.window_counts = (
+            self.window_loss + loss, self.window_aux + aux, self.window_counts + counts)
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        window_steps += 1
-        if (step + 1) % every == 0 or step + 1 == total:
-            load = load_summary(window_counts)
-            curve.append({"step": step + 1, "tokens": (step + 1) * per_step * seq,
-                          "loss": round(window_loss / window_steps, 5), "balance": round(window_aux / window_steps, 5),
-                          "max_load": load["max_load"], "starved": load["starved"]})
-            window_loss, window_aux, window_counts, window_steps = 0.0, 0.0, 0, 0
+        self.window_steps += 1
+        if (step + 1) % self.every == 0 or step + 1 == self.total:
+            self._curve_point(step + 1)
         if progress:
-            last = curve[-1] if curve else None
+            last = self.curve[-1] if self.curve else None
             note = (f"loss {last['loss']:.3f}, max load {last['max_load']:.1f}x, {last['starved']} starved"
                     if last else "")
-            progress("training", (step + 1) * per_step * seq, total * per_step * seq, note)
-        state.checkpoint(step + 1, total, snapshot)
-    after = evaluate()
-    seconds = time.time() - t0
-    return {"objective": "next-token + load balancing", "tokens": total * per_step * seq, "steps": total,
-            "step_tokens": per_step * seq, "aux_loss_coef": coef, "lr": opts.lr,
-            "trained": [t for t, on in (("router", opts.train_router), ("experts", opts.train_experts),
-                                        ("attention", opts.train_attention)) if on],
-            "trained_params": sum(p.numel() for p in params), "seconds": round(seconds, 1),
-            "resumed": start > 0, "device": dev, "processes": par.world, "offload": bool(par.offload),
-            "tokens_per_second": round((total - start) * per_step * seq / max(1e-9, seconds), 1),
-            "held_out_before": before, "held_out_after": after, "curve": curve,
-            "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            progress("training", (step + 1) * self.per_step * self.seq, self.total * self.per_step * self.seq, note)
+
+    def _curve_point(self, done: int) -> None:
+        """The curve's point after `done` steps: the interval's mean loss and balance and its expert load; a new
+        interval begun."""
+        load = load_summary(self.window_counts)
+        steps = self.window_steps
+        self.curve.append({"step": done, "tokens": done * self.per_step * self.seq,
+                           "loss": round(self.window_loss / steps, 5), "balance": round(self.window_aux / steps, 5),
+                           "max_load": load["max_load"], "starved": load["starved"]})
+        self.window_loss, self.window_aux, self.window_counts, self.window_steps = 0.0, 0.0, 0, 0
+
+    def record(self, after: dict, seconds: float) -> dict:
+        """The run's record for report.json (its held-out scores after it, its seconds)."""
+        opts, per_step, seq, total = self.opts, self.per_step, self.seq, self.total
+        return {"objective": "next-token + load balancing", "tokens": total * per_step * seq, "steps": total,
+                "step_tokens": per_step * seq, "aux_loss_coef": self.coef, "lr": opts.lr,
+                "trained": [t for t, on in (("router", opts.train_router), ("experts", opts.train_experts),
+                                            ("attention", opts.train_attention)) if on],
+                "trained_params": sum(p.numel() for p in self.params), "seconds": round(seconds, 1),
+                "resumed": self.start > 0, "device": self.dev, "processes": self.par.world,
+                "offload": bool(self.par.offload),
+                "tokens_per_second": round((total - self.start) * per_step * seq / max(1e-9, seconds), 1),
+                "held_out_before": self.before, "held_out_after": after, "curve": self.curve,
+                "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
 __all__ = ["load_model", "train_model", "train_step"]

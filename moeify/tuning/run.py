@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Callable
 
 from ..formats.checkpoint import CheckpointReader
-from ..formats.output import check_free_space, commit_output, output_errors, prepare_output
+from ..formats.output import check_free_space, commit_output, prepare_output
 from ..errors import MoeifyError
 from ..formats.families import SourceModel, load_source
 from ..maths.numerics import release_memory, resolve_device
+from .across import run_across
 from .data import SAMPLE_BATCH, real_windows, text_sources, tuning_data
 from .options import Progress, TuneOptions
 from .output import BaseOutput, _check_written, _updated_report, check_source, read_output, write_tuned
@@ -163,18 +164,10 @@ def tune_output(src: str | Path, out: str | Path, opts: TuneOptions | None = Non
     root = state_dir(out)
     par = setup(resolve_device(device), timeout)
     par.resume_hint = resume_command(src, out)
-    try:
-        with output_errors(out):  # an OS error writing OUT or its state: one line naming OUT, OUT as it was
-            return _tune_across(src, out, root, par, opts, resume=resume, restart=restart, save_every=save_every,
-                                progress=progress, notify=notify, base=base, given=given,
-                                memory_check=memory_check, offload=offload, precompute_targets=precompute_targets)
-    except RuntimeError as exc:
-        failed = par.failure(exc)
-        if failed is None:
-            raise
-        raise failed from None
-    finally:
-        par.close()
+    return run_across(par, out, lambda: _tune_across(
+        src, out, root, par, opts, resume=resume, restart=restart, save_every=save_every, progress=progress,
+        notify=notify, base=base, given=given, memory_check=memory_check, offload=offload,
+        precompute_targets=precompute_targets))
 
 
 def _tune_across(src: Path, out: Path, root: Path, par, opts: TuneOptions | None, *, resume: bool, restart: bool,
@@ -286,18 +279,24 @@ def _tune(src: Path, out: Path, root: Path, run: CheckedRun, par, *, seed: int, 
     release_memory()
     report, toml = _updated_report(bo, info, opts.train_router, opts.train_attention)
     if par.main:
-        tmp = prepare_output(out, overwrite=True, src=src)
-        try:
-            write_tuned(bo, reader, student, tmp, opts.train_attention, report, toml)
-            reader.close()
-            _check_written(tmp, reader)
-            commit_output(tmp, out)
-        except BaseException:
-            reader.close()
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        shutil.rmtree(root, ignore_errors=True)
+        _write_output(src, out, root, bo, reader, student, opts.train_attention, report, toml)
     reader.close()  # the other ranks do not wait for rank 0's write (a 70B output takes longer than any timeout)
     if par.own_group:
         par.close()
     return report
+
+
+def _write_output(src: Path, out: Path, root: Path, bo: BaseOutput, reader: CheckpointReader, student,
+                  train_attention: bool, report: dict, toml: dict) -> None:
+    """The tuned output written to OUT all or nothing (rank 0), then the state directory removed."""
+    tmp = prepare_output(out, overwrite=True, src=src)
+    try:
+        write_tuned(bo, reader, student, tmp, train_attention, report, toml)
+        reader.close()
+        _check_written(tmp, reader)
+        commit_output(tmp, out)
+    except BaseException:
+        reader.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(root, ignore_errors=True)

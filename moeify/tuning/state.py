@@ -91,7 +91,7 @@ def _stream_save(tensors: dict, path: Path, write: bool) -> None:
     """Save a state's tensors (moeify.training.distill.Pending ones produced one at a time, in order, on every rank) to
     `path` atomically, streaming: the writer holds one whole tensor at a time, never the state. write False: only
     take part in the gathering."""
-    from ..training.distill import Pending
+    from ..training.steps import Pending
 
     writer = tmp = None
     if write:

@@ -132,7 +132,7 @@ def tuning_student(teacher, bo: BaseOutput, reader: CheckpointReader, par, train
     """The student as the run trains it: built from OUT's tensors (each MaskedMoE an FSDP2 group as it is built when
     par shards, and each decoder layer with its own attention one more), sharing the teacher's frozen modules (in
     bf16 under autocast, except a sharded teacher's, which stay as loaded)."""
-    from ..training.distill import share_frozen
+    from ..training.steps import share_frozen
 
     student, own_attention = build_student(
         teacher, bo, reader, par.device, train_attention,

@@ -79,7 +79,7 @@ def teacher_pass(root: Path, teacher, train: torch.Tensor, held: torch.Tensor, t
     reads them back), so that the tuning loop never runs the teacher: a window seen in several passes costs one
     teacher forward, and the teacher's FFNs can be freed before the student is built. Returns (the targets of
     every drawn window, the held-out windows' targets)."""
-    from ..training.distill import final_hidden
+    from ..training.steps import final_hidden
     from ..maths.numerics import tuning_autocast
     from ..training.parallel import Parallel
 

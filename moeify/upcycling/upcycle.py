@@ -26,7 +26,7 @@ from .copies import (BREAKS, SHARED_GATE_FACTOR, UpcycleLayout, add_noise, copy_
                      shared_neurons)
 from ..errors import MoeifyError
 from ..formats.families import (TOKENIZER_FILES, SourceModel, attention_infos, check_source_tensors, ffn_tensor_names,
-                       load_source, target_config)
+                       load_source, target_format, target_config)
 from ..maths.router import SHARED_GATE_MIN
 from ..version import __version__
 from ..formats.config import FORMATS
@@ -184,34 +184,6 @@ def settings_dict(s: UpcycleSettings) -> dict:
     return d
 
 
-def resolve_format(src: SourceModel, requested: str, shared_width: int) -> str:
-    """Mixtral for a Llama / Mistral source (Qwen2-MoE with a shared expert), Qwen2-MoE for Qwen2 (its q/k/v biases),
-    Qwen3-MoE for Qwen3 (its q/k norms); a requested format that cannot hold the source is refused."""
-    if src.qk_norm:
-        if requested not in ("auto", "qwen3_moe"):
-            raise MoeifyError(f"--format {requested} cannot hold the q/k norms of {src.path} (qwen3)",
-                              "use --format qwen3_moe (or auto)")
-        if shared_width:
-            raise MoeifyError(f"a shared expert ({shared_width} neurons): {src.path} is a Qwen3 model and Qwen3-MoE, "
-                              "the one stock class with its q/k norms, has no shared expert",
-                              "leave out --shared-width (or a merge's shared_experts)")
-        return "qwen3_moe"
-    if requested == "qwen3_moe":
-        raise MoeifyError(f"--format qwen3_moe needs a Qwen3 source; {src.path} is {src.model_type} (its attention "
-                          "has no q/k norms)", "use --format mixtral or qwen2_moe (or auto)")
-    if src.qkv_bias:
-        if requested == "mixtral":
-            raise MoeifyError(f"--format mixtral cannot hold the q/k/v biases of {src.path} ({src.model_type})",
-                              "use --format qwen2_moe (or auto)")
-        return "qwen2_moe"
-    if requested == "mixtral" and shared_width:
-        raise MoeifyError(f"--format mixtral has no shared expert ({shared_width} neurons asked for)",
-                          "use --format qwen2_moe (or auto), or leave out --shared-width (or shared_experts)")
-    if requested == "auto":
-        return "qwen2_moe" if shared_width else "mixtral"
-    return requested
-
-
 def plan_upcycle(src_path: str | Path, settings: UpcycleSettings, *, allow_pickle: bool = False,
                  force: bool = False, weights: bool = True, shared_apart: bool = False) -> UpcyclePlan:
     """Read config and shard headers only; check everything before heavy work. weights=False: config.json alone
@@ -227,7 +199,8 @@ def plan_upcycle(src_path: str | Path, settings: UpcycleSettings, *, allow_pickl
     else:
         reader, stored = None, src.dtype or torch.bfloat16
         headers = {n: TensorInfo(n, stored, shape) for n, shape in src.expected_tensors().items()}
-    fmt = resolve_format(src, settings.format, settings.shared_width)
+    fmt = target_format(src, settings.format, shared=settings.shared_width > 0,
+                        shared_fix="leave out --shared-width (or a merge's shared_experts)")
     layout = UpcycleLayout(src.d_ff, settings.copies, settings.granularity, settings.top_k, settings.shared_width,
                            shared_apart)
     layout.check()
@@ -484,5 +457,4 @@ def recipe_toml(plan: UpcyclePlan) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["UpcycleSettings", "UpcyclePlan", "plan_upcycle", "run_upcycle", "layer_experts",
-           "resolve_format", "recipe_toml"]
+__all__ = ["UpcycleSettings", "UpcyclePlan", "plan_upcycle", "run_upcycle", "layer_experts", "recipe_toml"]
