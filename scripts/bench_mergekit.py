@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -368,7 +369,8 @@ def speed_rows(work: Path, save, venv: Path = VENV, repeat: int = 1) -> list[dic
     """Each tool on each model's YAML, `repeat` times in turn (mergekit-moe, moeify merge, mergekit-moe, ...) after
     one warm-up run of each that is not counted: a row per tool with the median wall seconds and peak RSS, every
     run's figures, and (on moeify's row) the median of the paired ratios moeify / mergekit (the pairing keeps the
-    ratio meaningful when the machine's speed drifts)."""
+    ratio meaningful when the machine's speed drifts). The disk is synced before every run (mergekit-moe does not
+    fsync its output, moeify does: unsynced, one run's writeback would fall into the next one's time)."""
     rows = []
     for model, n in ((ROOT / "models" / "smollm2-135m", 8), (ROOT / "models" / "qwen2.5-coder-0.5b", 4)):
         arch = "qwen" if "qwen" in model.name else "mixtral"
@@ -382,7 +384,10 @@ def speed_rows(work: Path, save, venv: Path = VENV, repeat: int = 1) -> list[dic
         for i in range(repeat + (repeat > 1)):  # the first of several runs warms the page cache, not counted
             for tool, cmd in commands(cfg, work / "out", venv).items():
                 shutil.rmtree(work / "out", ignore_errors=True)
+                os.sync()  # the last run's files on the disk before this one starts: each pays for its own writes
                 run = timed(cmd)
+                if (work / "out" / "report.json").is_file() and tool == "moeify merge":
+                    run["check_seconds"] = json.loads((work / "out" / "report.json").read_text())["check"]["seconds"]
                 if i or repeat == 1:
                     runs[tool].append(run)
                 print(f"{model.name:<22} {tool:<13} {run['seconds']:7.1f} s {run['peak_rss_gb']:6.2f} GB"

@@ -271,3 +271,27 @@ def test_refit_matches_normal_equations(n, d_ff, n_shared, routed):
     assert (new - ref).abs().max().item() <= tol
     with_dense_out, _ = refit_down(act, mask, down, dense_out=act @ down.T)  # float32 dense output: ~1e-6
     assert (with_dense_out - ref).abs().max().item() <= max(tol, 1e-4 * ref.abs().max().item())
+
+
+def test_small_outputs_go_through_the_page_cache_and_large_ones_past_it(monkeypatch):
+    """O_DIRECT only for an output above 1/8 of the RAM (a small one stays cached for the end-of-run check to read
+    back); MOEIFY_DIRECT_IO forces either."""
+    from moeify.formats import writer
+
+    ram = 64 << 30
+    monkeypatch.setattr(writer.os, "sysconf", lambda name: {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": ram // 4096}[name])
+    monkeypatch.delenv("MOEIFY_DIRECT_IO", raising=False)
+    assert not writer._direct_io_wanted(ram // 8) and writer._direct_io_wanted(ram // 8 + 1)
+    monkeypatch.setenv("MOEIFY_DIRECT_IO", "1")
+    assert writer._direct_io_wanted(1)
+    monkeypatch.setenv("MOEIFY_DIRECT_IO", "0")
+    assert not writer._direct_io_wanted(ram)
+
+
+def test_a_second_read_may_skip_the_nonfinite_scan(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.tensor([1.0, float("nan")])}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(MoeifyError, match="NaN/Inf"):
+        CheckpointReader(tmp_path).get("w")
+    assert torch.isnan(CheckpointReader(tmp_path, scan_nonfinite=False).get("w")[1])

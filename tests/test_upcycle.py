@@ -94,6 +94,31 @@ def test_drop_upcycling_breaks_exactness_on_purpose_and_says_by_how_much(tmp_pat
     assert again["check"]["kl_to_source"] == check["kl_to_source"]
 
 
+def test_the_check_is_one_pass_over_the_text_and_a_copy_of_the_source_needs_one_stack(tmp_path, tokenizer_dir,
+                                                                                      monkeypatch):
+    """The end-of-run check streams the source, the model as written and (when the two differ) the exact construction
+    side by side, a decoder layer of each at a time, once, on the same tokens: the KL and the exactness come from one
+    pass. A merge of the base with itself is the exact construction as written: one MoE stack."""
+    import moeify.upcycling.check as check_module
+
+    passes, real = [], check_module.stream_hidden
+
+    def counted(stacks, ids, progress=None):
+        passes.append((len(stacks), tuple(ids.shape)))
+        return real(stacks, ids, progress)
+
+    monkeypatch.setattr(check_module, "stream_hidden", counted)
+    src = build_dense(tmp_path / "dense", tokenizer_dir)
+    check = moeify.upcycle(src, tmp_path / "moe", copies=4, top_k=2, symmetry="drop")["check"]
+    assert len(passes) == 1 and passes[0][0] == 3 and passes[0][1][0] * passes[0][1][1] == check["kl_text_tokens"]
+    assert check["exact_model"] == "the copies before symmetry breaking" and check["max_logit_diff"] <= EXACT
+    assert check["tokens"] == check["kl_text_tokens"] and "exact_tokens" not in check
+    passes.clear()
+    merged = moeify.merge([src, src, src], tmp_path / "merged", top_k=2)["check"]
+    assert [n for n, _ in passes] == [2] and merged["exact_model"] == "as written: every expert the base's FFN"
+    assert merged["max_logit_diff"] <= EXACT and merged["kl_to_source"] < 1e-8
+
+
 def test_a_large_output_is_checked_from_regenerated_experts_with_the_same_result(tmp_path, monkeypatch):
     src = build_dense(tmp_path / "dense")
     read = upcycle(src, tmp_path / "read", copies=4, top_k=2, symmetry="noise")["check"]

@@ -197,12 +197,16 @@ class CheckpointReader:
     safetensors is the format; pickled `pytorch_model*.bin` weights are read only with `allow_pickle`, and then
     only through `torch.load(weights_only=True)` (which refuses anything but tensors and plain containers).
     Every tensor is checked for NaN/Inf as it is read: a MoeifyError names it, unless `allow_nonfinite`,
-    in which case it is recorded in `self.nonfinite` (name -> count) for the caller to warn about.
+    in which case it is recorded in `self.nonfinite` (name -> count) for the caller to warn about. `scan_nonfinite`
+    False skips that scan: for a second read, in the process that scanned every tensor once (the upcycle check
+    reading back what it wrote from scanned sources).
     """
 
-    def __init__(self, root: str | Path, *, allow_pickle: bool = False, allow_nonfinite: bool = False):
+    def __init__(self, root: str | Path, *, allow_pickle: bool = False, allow_nonfinite: bool = False,
+                 scan_nonfinite: bool = True):
         self.root = Path(root)
         self.allow_nonfinite = allow_nonfinite
+        self.scan_nonfinite = scan_nonfinite
         self.nonfinite: dict[str, int] = {}
         self.tensors: dict[str, TensorInfo] = {}
         self.file_of: dict[str, Path] = {}
@@ -352,7 +356,7 @@ class CheckpointReader:
         return self._checked(name, path, tensor)
 
     def _checked(self, name: str, path: Path, tensor: torch.Tensor) -> torch.Tensor:
-        bad = first_nonfinite(tensor)
+        bad = first_nonfinite(tensor) if self.scan_nonfinite else None
         if bad is not None:
             count, first, value = bad
             if not self.allow_nonfinite:

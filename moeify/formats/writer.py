@@ -126,8 +126,24 @@ class _DirectFile:
             self._fd = -1
 
 
-def _direct_io_wanted() -> bool:
-    return hasattr(os, "O_DIRECT") and os.environ.get("MOEIFY_DIRECT_IO", "1") != "0"
+DIRECT_IO_SHARE = 8  # outputs larger than 1/8 of this machine's RAM are written with O_DIRECT
+
+
+def _direct_io_wanted(total_bytes: int) -> bool:
+    """Whether the shards go to the disk with O_DIRECT: for an output larger than 1/DIRECT_IO_SHARE of this machine's
+    RAM (a 7B-70B one: no kernel copy into fresh cache pages, no writeback of the whole output to wait for at the
+    end), not for a smaller one, which stays in the page cache for the end-of-run check to read back (commit_output
+    fsyncs it to the disk either way). MOEIFY_DIRECT_IO=1 or 0 forces either."""
+    forced = os.environ.get("MOEIFY_DIRECT_IO")
+    if not hasattr(os, "O_DIRECT") or forced == "0":
+        return False
+    if forced == "1":
+        return True
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return True
+    return total_bytes * DIRECT_IO_SHARE > ram
 
 
 class ShardWriter:
@@ -181,8 +197,9 @@ class ShardWriter:
         self._fh.write(_header_bytes(tensors, self.metadata))
 
     def _open(self, path: Path):
-        """O_DIRECT where the platform and filesystem allow it (MOEIFY_DIRECT_IO=0 turns it off), else buffered."""
-        if _direct_io_wanted():
+        """O_DIRECT for a large output where the platform and filesystem allow it (_direct_io_wanted), else
+        buffered."""
+        if _direct_io_wanted(self.layout.total_bytes()):
             if self._staging is None:
                 raw = np.empty(WRITE_CHUNK + DIRECT_ALIGN, dtype=np.uint8)
                 start = -raw.ctypes.data % DIRECT_ALIGN

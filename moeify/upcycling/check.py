@@ -25,54 +25,55 @@ READ_BACK_BYTES = 16 << 30  # outputs up to this size are checked from the files
 
 def check_output(plan, out_dir: Path, regenerate: Callable[..., Experts], progress: Progress | None = None,
                  text_ids: torch.Tensor | None = None) -> dict:
-    """Stream the source and the written MoE one decoder layer at a time (moeify.evaluation.layerwise), in one pass over
-    `text_ids` (else 64 random tokens), the model as written scored by its KL to the source; the copies before any
-    symmetry breaking (a merge's: every copy the base's FFN) must give the source's logits, checked on 64 random
-    tokens when they are not the model as written (RuntimeError otherwise). plan: the UpcyclePlan;
-    regenerate(broken, base_only=False): the experts of each layer made again (with the symmetry broken or not; every
-    copy the base's FFN), as the output holds them."""
+    """The source and the written MoE streamed one decoder layer at a time (moeify.evaluation.layerwise), in one
+    pass over `text_ids` (else 64 random tokens): the model as written scored by its KL to the source, and the exact
+    construction (the model as written when it is one; else the copies before symmetry breaking, a merge's every copy
+    the base's FFN, made again) must give the source's logits on the same tokens (RuntimeError otherwise). plan: the
+    UpcyclePlan; regenerate(broken, base_only=False): each layer's experts made again, as the output holds them.
+    Both checkpoints are read without the NaN/Inf scan: this process read every source tensor through it while
+    writing, and wrote the output from them."""
     src = plan.src
-    src_reader = CheckpointReader(src.path)
-    out_reader = CheckpointReader(out_dir)
+    src_reader = CheckpointReader(src.path, scan_nonfinite=False)
+    out_reader = CheckpointReader(out_dir, scan_nonfinite=False)
     from_files = plan.output_bytes <= READ_BACK_BYTES
-
     dense = source_stack(src, src_reader, plan.out_dtype)  # the source as the output's dtype holds it
     written = moe_stack(out_dir, out_reader, None if from_files else regenerate(True))
-    # the check's tokens (the text, else random ones) through the source and the model as written, a decoder layer
-    # of each at a time: its KL to the source, and its logits when it is the exact construction. Otherwise the exact
-    # construction (a merge's: every copy the base's FFN; an upcycle's: the copies before symmetry breaking) is
-    # compared with the source on CHECK_SEQ random tokens a sequence, in a second, shorter pass: exactness is a
-    # property of the weights and the class's routing, which any tokens show. With averaged attention, or a shared
-    # expert of its own that is not the base's FFN at a constant gate, no setting computes the base, and only the KL
-    # is measured.
+    # With averaged attention, or a shared expert of its own that is not the base's FFN at a constant gate, no
+    # setting computes the base, and only the KL is measured. Exactness is a property of the weights and the class's
+    # routing, which any tokens show: the exact construction runs in the same pass, on the same tokens.
     averaged = bool(plan.sources) and (plan.attention != "base" or not plan.shared_is_base)
     exact = None if averaged else written if plan.exact else \
         moe_stack(out_dir, out_reader, regenerate(False, bool(plan.sources)))
-    random_ids = torch.randint(0, src.vocab, (2, CHECK_SEQ),
-                               generator=torch.Generator().manual_seed(plan.settings.seed))
-    ids = text_ids if text_ids is not None else random_ids
-    finals = stream_hidden([dense, written], ids, progress)
-    result = {"tokens": int(ids.numel()), "tokens_from": "text" if text_ids is not None else "random",
-              "experts_read_back": from_files, "exact_model": None,
-              "kl_to_source": 0.0 if exact is written and text_ids is None else  # identical by construction
-              kl_to_reference(dense, finals[0], written, finals[-1])}
-    if text_ids is not None:
-        result["kl_text_tokens"] = int(ids.numel())
-    if exact is not None and exact is not written:
-        finals = stream_hidden([dense, exact], random_ids, progress)
-        result["exact_tokens"] = int(random_ids.numel())
-    src_reader.close()
-    out_reader.close()
-    if exact is None:
-        return result
-    diff, scale = max_logit_diff(dense, finals[0], exact, finals[1])
-    result.update(max_logit_diff=diff, logit_scale=scale, exact_model="as written" if plan.exact else
-                  "every expert the base's FFN" if plan.sources else "the copies before symmetry breaking")
+    ids = text_ids if text_ids is not None else torch.randint(
+        0, src.vocab, (2, CHECK_SEQ), generator=torch.Generator().manual_seed(plan.settings.seed))
+    stacks = [dense, written] + ([exact] if exact is not None and exact is not written else [])
+    try:
+        finals = stream_hidden(stacks, ids, progress)
+        result = {"tokens": int(ids.numel()), "tokens_from": "text" if text_ids is not None else "random",
+                  "experts_read_back": from_files, "exact_model": None,
+                  "kl_to_source": 0.0 if exact is written and text_ids is None else  # identical by construction
+                  kl_to_reference(dense, finals[0], written, finals[1])}
+        if text_ids is not None:
+            result["kl_text_tokens"] = int(ids.numel())
+        if exact is not None:
+            result.update(_exactness(plan, dense, finals[0], exact, finals[-1]))
+    finally:
+        src_reader.close()
+        out_reader.close()
+    return result
+
+
+def _exactness(plan, dense, dense_final: torch.Tensor, exact, exact_final: torch.Tensor) -> dict:
+    """The exact construction's max |logit difference| to the source, within CHECK_RTOL of the source's max |logit|
+    (RuntimeError otherwise: the run writes nothing)."""
+    diff, scale = max_logit_diff(dense, dense_final, exact, exact_final)
     tol = CHECK_RTOL * max(scale, 1e-6)
     if not math.isfinite(diff) or diff > tol:
-        raise RuntimeError(f"upcycle check failed: the copies' logits differ from {src.path}'s by {diff:.3g} (allowed "
-                           f"{tol:.3g}); nothing was written")
-    return result
+        raise RuntimeError(f"upcycle check failed: the copies' logits differ from {plan.src.path}'s by {diff:.3g} "
+                           f"(allowed {tol:.3g}); nothing was written")
+    label = "every expert the base's FFN" if plan.sources else "the copies before symmetry breaking"
+    return {"max_logit_diff": diff, "logit_scale": scale,
+            "exact_model": (f"as written: {label}" if plan.sources else "as written") if plan.exact else label}
 
 
 __all__ = ["check_output"]

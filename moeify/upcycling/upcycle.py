@@ -123,8 +123,13 @@ class UpcyclePlan:
 
     @property
     def exact(self) -> bool:
-        """Whether the output as written computes the source (no symmetry breaking, or a permutation of slices)."""
-        return self.settings.symmetry in ("none", "permute") and not self.sources
+        """Whether the output as written computes the source: no symmetry breaking (or a permutation of slices), and
+        a merge only of the base itself (every source the base, unscaled, its attention and any shared expert the
+        base's: the exact construction a merge is checked with)."""
+        if self.settings.symmetry not in ("none", "permute"):
+            return False
+        return not self.sources or (all(m.path == self.src.path for m in self.sources) and self.attention == "base"
+                                    and all(s == 1 for s in self.scales or []) and self.shared_is_base)
 
     @property
     def shared_is_base(self) -> bool:
