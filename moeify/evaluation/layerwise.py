@@ -285,30 +285,42 @@ def logits(stack: LayerStack, final: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def compare_to_reference(ref: LayerStack, ref_final: torch.Tensor, others: list[tuple[LayerStack, torch.Tensor]],
+                         chunk: int = 256, kl: bool = True) -> list[dict]:
+    """Each other model's logits against the reference's on the same tokens, every model's head product made once a
+    chunk of tokens: per other {"max_logit_diff": max |logit difference|, "logit_scale": max |reference logit|, and
+    with `kl` "kl": mean KL(reference ‖ other) of the next-token distributions over every position, nats}."""
+    a = ref_final.reshape(-1, ref_final.shape[-1])
+    w_ref = ref.head()[1]
+    heads = [(final.reshape(-1, final.shape[-1]), other.head()[1]) for other, final in others]
+    found = [{"max_logit_diff": 0.0, "logit_scale": 0.0, **({"kl": 0.0} if kl else {})} for _ in others]
+    for s in range(0, a.shape[0], chunk):
+        la = head_logits(a[s:s + chunk], w_ref)
+        lp = F.log_softmax(la, -1) if kl else None
+        for (b, w), f in zip(heads, found):
+            lb = head_logits(b[s:s + chunk], w)
+            f["max_logit_diff"] = max(f["max_logit_diff"], (la - lb).abs().max().item())
+            f["logit_scale"] = max(f["logit_scale"], la.abs().max().item())
+            if kl:
+                f["kl"] += (lp.exp() * (lp - F.log_softmax(lb, -1))).sum().item()
+    for f in found:
+        if kl:
+            f["kl"] /= a.shape[0]
+    return found
+
+
 def max_logit_diff(ref: LayerStack, ref_final: torch.Tensor, other: LayerStack, final: torch.Tensor,
                    chunk: int = 256) -> tuple[float, float]:
     """(max |logit difference|, max |reference logit|), a chunk of tokens at a time."""
-    a, b = ref_final.reshape(-1, ref_final.shape[-1]), final.reshape(-1, final.shape[-1])
-    w_ref, w = ref.head()[1], other.head()[1]
-    diff = scale = 0.0
-    for s in range(0, a.shape[0], chunk):
-        la, lb = head_logits(a[s:s + chunk], w_ref), head_logits(b[s:s + chunk], w)
-        diff, scale = max(diff, (la - lb).abs().max().item()), max(scale, la.abs().max().item())
-    return diff, scale
+    c = compare_to_reference(ref, ref_final, [(other, final)], chunk, kl=False)[0]
+    return c["max_logit_diff"], c["logit_scale"]
 
 
-@torch.no_grad()
 def kl_to_reference(ref: LayerStack, ref_final: torch.Tensor, other: LayerStack, final: torch.Tensor,
                     chunk: int = 256) -> float:
     """Mean KL(reference ‖ other) of the next-token distributions over every position, nats."""
-    a, b = ref_final.reshape(-1, ref_final.shape[-1]), final.reshape(-1, final.shape[-1])
-    w_ref, w = ref.head()[1], other.head()[1]
-    total = 0.0
-    for s in range(0, a.shape[0], chunk):
-        lp, lq = F.log_softmax(head_logits(a[s:s + chunk], w_ref), -1), F.log_softmax(head_logits(b[s:s + chunk], w), -1)
-        total += (lp.exp() * (lp - lq)).sum().item()
-    return total / a.shape[0]
+    return compare_to_reference(ref, ref_final, [(other, final)], chunk)[0]["kl"]
 
 
 __all__ = ["causal_mask", "position_ids", "ResidentRun", "LayerStack", "source_stack", "moe_stack", "stream_hidden",
-           "logits", "max_logit_diff", "kl_to_reference", "MOE_CLASSES"]
+           "logits", "compare_to_reference", "max_logit_diff", "kl_to_reference", "MOE_CLASSES"]

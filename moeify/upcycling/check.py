@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from ..evaluation.layerwise import kl_to_reference, max_logit_diff, moe_stack, source_stack, stream_hidden
+from ..evaluation.layerwise import compare_to_reference, moe_stack, source_stack, stream_hidden
 from ..formats.checkpoint import CheckpointReader
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
@@ -49,24 +49,24 @@ def check_output(plan, out_dir: Path, regenerate: Callable[..., Experts], progre
     stacks = [dense, written] + ([exact] if exact is not None and exact is not written else [])
     try:
         finals = stream_hidden(stacks, ids, progress)
+        found = compare_to_reference(dense, finals[0], list(zip(stacks[1:], finals[1:])),
+                                     kl=not (exact is written and text_ids is None))  # else identical by construction
         result = {"tokens": int(ids.numel()), "tokens_from": "text" if text_ids is not None else "random",
-                  "experts_read_back": from_files, "exact_model": None,
-                  "kl_to_source": 0.0 if exact is written and text_ids is None else  # identical by construction
-                  kl_to_reference(dense, finals[0], written, finals[1])}
+                  "experts_read_back": from_files, "exact_model": None, "kl_to_source": found[0].get("kl", 0.0)}
         if text_ids is not None:
             result["kl_text_tokens"] = int(ids.numel())
         if exact is not None:
-            result.update(_exactness(plan, dense, finals[0], exact, finals[-1]))
+            result.update(_exactness(plan, found[-1]))
     finally:
         src_reader.close()
         out_reader.close()
     return result
 
 
-def _exactness(plan, dense, dense_final: torch.Tensor, exact, exact_final: torch.Tensor) -> dict:
-    """The exact construction's max |logit difference| to the source, within CHECK_RTOL of the source's max |logit|
-    (RuntimeError otherwise: the run writes nothing)."""
-    diff, scale = max_logit_diff(dense, dense_final, exact, exact_final)
+def _exactness(plan, found: dict) -> dict:
+    """The exact construction's max |logit difference| to the source (`found`), within CHECK_RTOL of the source's
+    max |logit| (RuntimeError otherwise: the run writes nothing)."""
+    diff, scale = found["max_logit_diff"], found["logit_scale"]
     tol = CHECK_RTOL * max(scale, 1e-6)
     if not math.isfinite(diff) or diff > tol:
         raise RuntimeError(f"upcycle check failed: the copies' logits differ from {plan.src.path}'s by {diff:.3g} "
