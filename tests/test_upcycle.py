@@ -98,7 +98,8 @@ def test_the_check_is_one_pass_over_the_text_and_a_copy_of_the_source_needs_one_
                                                                                       monkeypatch):
     """The end-of-run check streams the source, the model as written and (when the two differ) the exact construction
     side by side, a decoder layer of each at a time, once, on the same tokens: the KL and the exactness come from one
-    pass. A merge of the base with itself is the exact construction as written: one MoE stack."""
+    pass. A merge of the base with itself is the exact construction as written: one MoE stack, on one window of the
+    text (its KL is bounded by its logit difference)."""
     import moeify.upcycling.check as check_module
 
     passes, real = [], check_module.stream_hidden
@@ -117,6 +118,7 @@ def test_the_check_is_one_pass_over_the_text_and_a_copy_of_the_source_needs_one_
     merged = moeify.merge([src, src, src], tmp_path / "merged", top_k=2)["check"]
     assert [n for n, _ in passes] == [2] and merged["exact_model"] == "as written: every expert the base's FFN"
     assert merged["max_logit_diff"] <= EXACT and merged["kl_to_source"] < 1e-8
+    assert merged["tokens"] == merged["kl_text_tokens"] == 64 < check["tokens"]  # exact as written: one window
 
 
 def test_a_large_output_is_checked_from_regenerated_experts_with_the_same_result(tmp_path, monkeypatch):

@@ -126,24 +126,34 @@ class _DirectFile:
             self._fd = -1
 
 
-DIRECT_IO_SHARE = 8  # outputs larger than 1/8 of this machine's RAM are written with O_DIRECT
+def _available_memory() -> int | None:
+    """The memory the kernel can give without swapping (MemAvailable: free pages plus the reclaimable cache), else
+    this machine's RAM; None when neither is known."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _direct_io_wanted(total_bytes: int) -> bool:
-    """Whether the shards go to the disk with O_DIRECT: for an output larger than 1/DIRECT_IO_SHARE of this machine's
-    RAM (a 7B-70B one: no kernel copy into fresh cache pages, no writeback of the whole output to wait for at the
-    end), not for a smaller one, which stays in the page cache for the end-of-run check to read back (commit_output
-    fsyncs it to the disk either way). MOEIFY_DIRECT_IO=1 or 0 forces either."""
+    """Whether the shards go to the disk with O_DIRECT: for an output larger than half the memory available (a
+    7B-70B one on most machines: no kernel copy into fresh cache pages, no writeback of the whole output to wait for
+    at the end), not for a smaller one, which stays in the page cache for the end-of-run check to read back
+    (commit_output fsyncs it to the disk either way). MOEIFY_DIRECT_IO=1 or 0 forces either."""
     forced = os.environ.get("MOEIFY_DIRECT_IO")
     if not hasattr(os, "O_DIRECT") or forced == "0":
         return False
     if forced == "1":
         return True
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return True
-    return total_bytes * DIRECT_IO_SHARE > ram
+    available = _available_memory()
+    return available is None or 2 * total_bytes > available
 
 
 class ShardWriter:

@@ -80,12 +80,13 @@ def plan_merge(base: str | Path, sources: list[str | Path], settings: UpcycleSet
     plan = plan_upcycle(base, dataclasses.replace(settings, copies=len(models)), allow_pickle=allow_pickle,
                         force=force, shared_apart=bool(extra))
     check_compatible(plan.src, models + extra)
-    readers = []
+    readers, opened = [], {plan.src.path: plan.reader}  # one reader a checkpoint: a source named twice is read once
     for m in models + extra:
-        check_links(m.path, ("config.json", *TOKENIZER_FILES))
-        reader = CheckpointReader(m.path, allow_pickle=allow_pickle)
-        check_source_tensors(m, reader.tensors)
-        readers.append(reader)
+        if m.path not in opened:
+            check_links(m.path, ("config.json", *TOKENIZER_FILES))
+            opened[m.path] = CheckpointReader(m.path, allow_pickle=allow_pickle)
+            check_source_tensors(m, opened[m.path].tensors)
+        readers.append(opened[m.path])
     return dataclasses.replace(plan, sources=models, readers=readers[:len(models)], attention=attention,
                                shared_source=extra[0] if extra else None, shared_reader=readers[-1] if extra else None,
                                shared_scale=shared_scale)

@@ -140,8 +140,11 @@ class UpcyclePlan:
 
     def ffns(self, i: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Layer i's dense (gate, up, down) of every copy: the source's for an upcycle, each source's for a merge."""
-        readers = self.readers or [self.reader]
-        ffns = [tuple(r.get(f"model.layers.{i}.mlp.{n}_proj.weight") for n in ("gate", "up", "down")) for r in readers]
+        read: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # a checkpoint named twice: read once
+        for r in self.readers or [self.reader]:
+            if id(r) not in read:
+                read[id(r)] = tuple(r.get(f"model.layers.{i}.mlp.{n}_proj.weight") for n in ("gate", "up", "down"))
+        ffns = [read[id(r)] for r in self.readers or [self.reader]]
         return ffns if self.sources else ffns * self.layout.copies
 
     def base_ffn(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
