@@ -140,11 +140,11 @@ def tool_row(name: str, family: str, tool: str, cfg: Path, base: Path, out: Path
 
 
 def exactness_rows(work: Path, save, venv: Path = VENV) -> list[dict]:
-    from conftest import build_dense, corpus_text  # the test suite's tiny models and tokenizer
+    from conftest import build_dense, build_tokenizer  # the test suite's tiny models and tokenizer
 
     tok_dir = work / "tokenizer"
     if not (tok_dir / "tokenizer.json").is_file():
-        make_tokenizer(tok_dir, corpus_text())
+        build_tokenizer(tok_dir)
     rows = []
     for name, family, arch, shared in CLASSES:
         base = work / f"base-{family}"
@@ -349,20 +349,6 @@ def llamacpp_table(rows: list[dict]) -> str:
         lines.append(head + f"{r['llamacpp_max_logprob_diff']:>9.1e} " + (f"{vs:>9.1e}" if vs is not None else
                      f"{'-':>9}") + (f" {off:>10.1e}" if off is not None else ""))
     return "\n".join(lines)
-
-
-def make_tokenizer(out: Path, text: str) -> None:
-    """tests/conftest.py's tokenizer (a byte-level BPE of 384 tokens trained on the test corpus), outside pytest."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([text], trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(out)
 
 
 def speed_rows(work: Path, save, venv: Path = VENV, repeat: int = 1) -> list[dict]:

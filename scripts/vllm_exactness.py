@@ -59,19 +59,10 @@ TINY_CASES = {
 
 
 def tiny_tokenizer(out: Path) -> Path:
-    """tests/conftest.py's tokenizer_dir fixture: a byte-level BPE (vocab 384) trained on the bundled text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    """tests/conftest.py's tokenizer (a byte-level BPE, vocab 384) trained on the bundled text."""
+    from conftest import build_tokenizer
 
-    text = (ROOT / "examples" / "calib" / "wikitext2_train_sample.txt").read_text()[:20000]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([text], trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(out)
-    return out
+    return build_tokenizer(out, (ROOT / "examples" / "calib" / "wikitext2_train_sample.txt").read_text()[:20000])
 
 
 def check_exactness(args) -> dict:

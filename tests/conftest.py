@@ -68,9 +68,9 @@ def corpus_text(chars: int = 20000) -> str:
     return CORPUS.read_text()[:chars]
 
 
-@pytest.fixture(scope="session")
-def tokenizer_dir(tmp_path_factory) -> Path:
-    """A real byte-level BPE tokenizer (vocab 256 + merges) trained on a little English text."""
+def build_tokenizer(out: Path, text: str | None = None) -> Path:
+    """A real byte-level BPE tokenizer (vocab 384: 256 bytes + merges) trained on `text` (default: corpus_text()),
+    saved in `out` (also what scripts build their tiny models' tokenizer with)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -79,11 +79,15 @@ def tokenizer_dir(tmp_path_factory) -> Path:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=["<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([corpus_text()], trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-    out = tmp_path_factory.mktemp("tokenizer")
-    fast.save_pretrained(out)
+    tok.train_from_iterator([corpus_text() if text is None else text], trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """A real byte-level BPE tokenizer (vocab 256 + merges) trained on a little English text."""
+    return build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
 BASE = dict(vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
