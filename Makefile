@@ -30,7 +30,7 @@ demo: $(STAMP)
 	$(BIN)/moeify eval $(MODEL) $(OUT)-weights $(OUT) --seq-len 256 --max-tokens $(EVAL_TOKENS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
 
 clean:
 	rm -rf out .pytest_cache
