@@ -19,7 +19,7 @@
 #   qwen05-1000    Qwen2.5-Coder-0.5B, the 50% preset (its file written), then its seed-1 twin beside it, first
 #                  1,000 items (~25 min of carving + ~2 h of tasks)
 #   qwen05-dense-layers  the 0.5B's 50% preset with its 2 most sensitive layers kept dense and top-7 of 28 elsewhere
-#                  (equal compute: 49.3% active on average), beside the preset and its twin (~12 min + ~30 min)
+#                  (0.515x the dense FFN FLOPs, the preset 0.502x), beside the preset and its twin (~12 + ~25 min)
 #   qwen05-active75  the 0.5B's active-75 preset training-free beside the 50% one (~12 min + ~30 min)
 # Run it alone (nice is fine): tuning and scoring share nothing with other jobs but the cores.
 set -euo pipefail
@@ -104,7 +104,7 @@ for step in ${*:-smollm2-262k}; do
         --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
         --out results/quality/tasks-qwen05-trainingfree-1000.json ;;
     qwen05-dense-layers)  # lever 1 on the second size: 2 dense layers of 24 (auto:2), shared 10 + top-7 of 28 routed
-      # of 38 slices elsewhere ((2 + 22 x 17/38) / 24 = 49.3% average active, the preset 50.0%)
+      # of 38 slices elsewhere (report.json: 0.515x the dense FFN FLOPs, the preset 0.502x)
       carve models/qwen2.5-coder-0.5b out/qwen05-a50 50
       carve models/qwen2.5-coder-0.5b out/qwen05-a50-seed1 50 --seed 1
       sed -e 's/^targets = .*/targets = ["transformers", "vllm"]/' configs/active-50.toml \
