@@ -170,6 +170,7 @@ class ShardWriter:
         self._fh = None
         self._file_end = 0
         self._staging: memoryview | None = None  # aligned buffer for O_DIRECT writes (allocated on first use)
+        self._direct = _direct_io_wanted(layout.total_bytes())  # decided once: every shard of an output alike
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         expected = self.order[self._next]
@@ -209,7 +210,7 @@ class ShardWriter:
     def _open(self, path: Path):
         """O_DIRECT for a large output where the platform and filesystem allow it (_direct_io_wanted), else
         buffered."""
-        if _direct_io_wanted(self.layout.total_bytes()):
+        if self._direct:
             if self._staging is None:
                 raw = np.empty(WRITE_CHUNK + DIRECT_ALIGN, dtype=np.uint8)
                 start = -raw.ctypes.data % DIRECT_ALIGN
