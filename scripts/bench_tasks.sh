@@ -21,6 +21,9 @@
 #   qwen05-dense-layers  the 0.5B's 50% preset with its 2 most sensitive layers kept dense and top-7 of 28 elsewhere
 #                  (0.515x the dense FFN FLOPs, the preset 0.502x), beside the preset and its twin (~12 + ~25 min)
 #   qwen05-active75  the 0.5B's active-75 preset training-free beside the 50% one (~11 min + ~30 min)
+#   smollm2-chat   lever 3: the 50% preset calibrated on half the bundled sample, half conversations the model
+#                  writes from its own chat template (scripts/chat_text.py), beside the preset and its twin
+#   qwen05-chat    lever 3 on the 0.5B
 # Run it alone (nice is fine): tuning and scoring share nothing with other jobs but the cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -120,9 +123,29 @@ for step in ${*:-smollm2-262k}; do
       .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/qwen05-a50 \
         out/qwen05-a75 --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
         --out results/quality/tasks-qwen05-active75-1000.json ;;
+    smollm2-chat)  # lever 3: calibrated on half the bundled sample's first tokens, half conversations SmolLM2 writes
+      # itself from its chat template (scripts/chat_text.py), beside the preset and its seed-1 twin
+      carve models/smollm2-135m out/smollm2-a50 50
+      carve models/smollm2-135m out/smollm2-a50-seed1 50 --seed 1
+      [ -f out/levers/chat-smollm2-135m.txt ] || .venv/bin/python scripts/chat_text.py models/smollm2-135m \
+        out/levers/chat-smollm2-135m.txt --tokens 12288 --prefix moeify/data/calib_sample.txt --prefix-tokens 8192
+      carve models/smollm2-135m out/smollm2-a50-chat 50 --calib out/levers/chat-smollm2-135m.txt
+      .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/smollm2-a50 out/smollm2-a50-seed1 \
+        out/smollm2-a50-chat --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
+        --out results/quality/tasks-smollm2-chat-1000.json ;;
+    qwen05-chat)  # lever 3 on the second size: the 0.5B's own conversations as half its calibration text
+      carve models/qwen2.5-coder-0.5b out/qwen05-a50 50
+      carve models/qwen2.5-coder-0.5b out/qwen05-a50-seed1 50 --seed 1
+      [ -f out/levers/chat-qwen2.5-coder-0.5b.txt ] || .venv/bin/python scripts/chat_text.py \
+        models/qwen2.5-coder-0.5b out/levers/chat-qwen2.5-coder-0.5b.txt --tokens 12288 \
+        --prefix moeify/data/calib_sample.txt --prefix-tokens 8192
+      carve models/qwen2.5-coder-0.5b out/qwen05-a50-chat 50 --calib out/levers/chat-qwen2.5-coder-0.5b.txt
+      .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/qwen05-a50 out/qwen05-a50-seed1 \
+        out/qwen05-a50-chat --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
+        --out results/quality/tasks-qwen05-chat-1000.json ;;
     *) echo "bench_tasks.sh: unknown step $step (smollm2-262k, qwen05-free, qwen05-262k, smollm2-1000," \
          "smollm2-contribution, smollm2-active75, smollm2-dense-layers, qwen05-1000, qwen05-dense-layers," \
-         "qwen05-active75)" >&2
+         "qwen05-active75, smollm2-chat, qwen05-chat)" >&2
        exit 2 ;;
   esac
 done
