@@ -276,6 +276,23 @@ class LazyExperts:
         return LazyExperts(lambda n: tuple(t.to(dtype) for t in self._make(n)), self._n)
 
 
+class Recent:
+    """The last `size` values put, by key (a layer's identical experts made, or cast, once: a copy's slices at most,
+    so memory stays one FFN); `keep` holds the objects whose ids the key names alive while the entry is."""
+
+    def __init__(self, size: int):
+        self.size, self.items = max(1, size), {}
+
+    def get(self, key):
+        hit = self.items.get(key)
+        return None if hit is None else hit[0]
+
+    def put(self, key, value, keep=None) -> None:
+        self.items[key] = (value, keep)
+        while len(self.items) > self.size:
+            del self.items[next(iter(self.items))]
+
+
 @dataclass
 class LayerExperts:
     """One layer's upcycled FFN: routed experts (gate, up, down), router rows, the shared expert and what was done."""
@@ -310,11 +327,18 @@ def layer_experts(plan: UpcyclePlan, i: int, ffns: list[tuple[torch.Tensor, torc
     elif symmetry == "noise":
         stds = (matrix_stats(gate)[1], matrix_stats(up)[1], matrix_stats(down)[1] * g)
 
+    made = Recent(g)  # identical copies (one FFN, one order, one scale) are made once: the same tensors again
+
     def make(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         copy, part = divmod(n, g)
-        expert = copy_expert(*ffns[copy], orders[copy][part * w:(part + 1) * w], factor)
-        if broken and plan.scales and plan.scales[copy] != 1:  # a merge's residual_scale: the output × it
-            expert = (*expert[:2], (expert[2].float() * plan.scales[copy]).to(expert[2].dtype))
+        scale = plan.scales[copy] if broken and plan.scales else 1
+        key = (id(ffns[copy]), id(orders[copy]), part, scale)
+        expert = made.get(key)
+        if expert is None:
+            expert = copy_expert(*ffns[copy], orders[copy][part * w:(part + 1) * w], factor)
+            if scale != 1:  # a merge's residual_scale: the output × it
+                expert = (*expert[:2], (expert[2].float() * scale).to(expert[2].dtype))
+            made.put(key, expert, keep=(ffns[copy], orders[copy]))
         own = torch.Generator().manual_seed((s.seed * 1_000_003 + i) * 4099 + n)  # this expert's draws alone
         if symmetry == "drop":
             return drop_reinit(expert, s.drop_share, stats, own)[0]
@@ -340,9 +364,14 @@ def _ffn_tensors(plan: UpcyclePlan, i: int, le: LayerExperts):
     dtype, h = plan.out_dtype, plan.src.hidden
     names = iter(ffn_tensor_names(plan.fmt, i, plan.layout.n_experts, dense=False, shared=plan.layout.shared_width > 0))
     yield next(names), le.router.to(dtype)
-    for g, u, d in le.experts:
-        for t in (g, u, d):
-            yield next(names), t.to(dtype)
+    cast = Recent(plan.layout.granularity)  # an expert made once and listed again (identical copies): cast once
+    for expert in le.experts:
+        ts = cast.get(id(expert))
+        if ts is None:
+            ts = tuple(t.to(dtype) for t in expert)
+            cast.put(id(expert), ts, keep=expert)
+        for t in ts:
+            yield next(names), t
     if plan.fmt == "qwen2_moe":
         if le.shared is None:
             empty = torch.zeros(0, h, dtype=dtype)
