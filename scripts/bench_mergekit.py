@@ -356,7 +356,8 @@ def speed_rows(work: Path, save, venv: Path = VENV, repeat: int = 1) -> list[dic
     one warm-up run of each that is not counted: a row per tool with the median wall seconds and peak RSS, every
     run's figures, and (on moeify's row) the median of the paired ratios moeify / mergekit (the pairing keeps the
     ratio meaningful when the machine's speed drifts). The disk is synced before every run (mergekit-moe does not
-    fsync its output, moeify does: unsynced, one run's writeback would fall into the next one's time)."""
+    fsync its output, moeify does: unsynced, one run's writeback would fall into the next one's time), and again after
+    each run, timed: `seconds_on_disk` is the run's seconds plus that sync's, until its output is on the disk."""
     rows = []
     for model, n in ((ROOT / "models" / "smollm2-135m", 8), (ROOT / "models" / "qwen2.5-coder-0.5b", 4)):
         arch = "qwen" if "qwen" in model.name else "mixtral"
@@ -372,22 +373,29 @@ def speed_rows(work: Path, save, venv: Path = VENV, repeat: int = 1) -> list[dic
                 shutil.rmtree(work / "out", ignore_errors=True)
                 os.sync()  # the last run's files on the disk before this one starts: each pays for its own writes
                 run = timed(cmd)
+                t = time.perf_counter()
+                os.sync()  # what the run left unwritten: its output is on the disk only after this
+                run["seconds_on_disk"] = round(run["seconds"] + time.perf_counter() - t, 2)
                 if (work / "out" / "report.json").is_file() and tool == "moeify merge":
                     run["check_seconds"] = json.loads((work / "out" / "report.json").read_text())["check"]["seconds"]
                 if i or repeat == 1:
                     runs[tool].append(run)
-                print(f"{model.name:<22} {tool:<13} {run['seconds']:7.1f} s {run['peak_rss_gb']:6.2f} GB"
+                print(f"{model.name:<22} {tool:<13} {run['seconds']:7.1f} s ({run['seconds_on_disk']:5.1f} s on disk)"
+                      f" {run['peak_rss_gb']:6.2f} GB"
                       f"{'' if i or repeat == 1 else ' (warm-up)'}", flush=True)
         output_gb = round(sum(f.stat().st_size for f in (work / "out").glob("*.safetensors")) / 1e9, 3)
         for tool, cmd in commands(cfg, work / "out", venv).items():
             row = {"model": model.name, "experts": n, "tool": tool, "command": " ".join(cmd).replace(str(ROOT) + "/",
                                                                                                      ""),
                    "seconds": statistics.median(r["seconds"] for r in runs[tool]),
+                   "seconds_on_disk": statistics.median(r["seconds_on_disk"] for r in runs[tool]),
                    "peak_rss_gb": statistics.median(r["peak_rss_gb"] for r in runs[tool]), "output_gb": output_gb,
                    "runs": runs[tool]}
             if tool == "moeify merge":
                 row["seconds_over_mergekit"] = round(statistics.median(
                     a["seconds"] / b["seconds"] for a, b in zip(runs[tool], runs["mergekit-moe"])), 3)
+                row["on_disk_over_mergekit"] = round(statistics.median(
+                    a["seconds_on_disk"] / b["seconds_on_disk"] for a, b in zip(runs[tool], runs["mergekit-moe"])), 3)
             rows.append(row)
             save(rows)
     return rows

@@ -8,6 +8,7 @@ question, a blank line, the answer, a blank line), as the zero-shot tasks are sc
 
     python scripts/chat_text.py MODEL OUT.txt [--tokens 24576] [--seed 0] [--batch 16]
         [--prefix TEXT --prefix-tokens N]     # OUT starts with TEXT's first N tokens (a calibration mix)
+        [--control OTHER]                     # the same mix with OTHER's text in place of conversations
 
 Calibration reads a file's first --calib-tokens tokens, so a mix of half today's text and half conversations is
 `--prefix moeify/data/calib_sample.txt --prefix-tokens 8192` for a preset's 16,384 calibration tokens.
@@ -76,6 +77,7 @@ def main(argv=None) -> int:
     ap.add_argument("--answer-tokens", type=int, default=320)
     ap.add_argument("--prefix", type=Path, help="a text whose first --prefix-tokens tokens open OUT")
     ap.add_argument("--prefix-tokens", type=int, default=0)
+    ap.add_argument("--control", type=Path, help="write the mix with this text in place of conversations (a control)")
     a = ap.parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -83,7 +85,13 @@ def main(argv=None) -> int:
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(a.model, torch_dtype=torch.float32).eval()
+    if a.control:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(prefix_text(tok, a.prefix, a.prefix_tokens) + a.control.read_text(encoding="utf-8"),
+                         encoding="utf-8")
+        print(f"{a.out}: {a.prefix} then {a.control}")
+        return 0
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
     stop, opening = end_ids(tok, model), template_opening(tok)
     texts, n_tokens, t0, b = [], 0, time.time(), 0
     with torch.no_grad():
