@@ -41,6 +41,25 @@ def test_merging_one_model_with_itself_reproduces_it(tmp_path, tokenizer_dir, gr
     assert max_logit_diff(a, tmp_path / "moe", seq=24) <= 1e-4
 
 
+def test_one_checkpoint_named_several_times_is_copied_once_a_layer(tmp_path, tokenizer_dir, monkeypatch):
+    """A merge naming the base 3 times makes each layer's expert once and writes it 3 times (the same bytes)."""
+    import moeify.upcycling.upcycle as up
+
+    made = []
+    real = up.copy_expert
+    monkeypatch.setattr(up, "copy_expert", lambda *a: made.append(1) or real(*a))
+    a = build_dense(tmp_path / "a", tokenizer_dir)
+    report = moeify.merge([a, a, a], tmp_path / "moe", base=a)
+    layers = len(report["layers"])
+    written = len(made)
+    assert report["experts"] == 3 and report["check"]["max_logit_diff"] <= 1e-4
+    moe = load_file(str(next((tmp_path / "moe").glob("*.safetensors"))))
+    for i in range(layers):
+        w = [moe[f"model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight"] for e in range(3)]
+        assert torch.equal(w[0], w[1]) and torch.equal(w[0], w[2])
+    assert report["check"]["experts_read_back"] and written == layers  # the check reads the files, makes none
+
+
 def test_router_rows_from_each_sources_text_send_each_text_to_its_source(tmp_path, tokenizer_dir, texts):
     a = build_dense(tmp_path / "a", tokenizer_dir, seed=0)
     b = build_dense(tmp_path / "b", tokenizer_dir, seed=1)
