@@ -23,7 +23,9 @@
 #   qwen05-active75  the 0.5B's active-75 preset training-free beside the 50% one (~11 min + ~30 min)
 #   smollm2-chat   lever 3: the 50% preset calibrated on half the bundled sample, half conversations the model
 #                  writes from its own chat template (scripts/chat_text.py), beside the preset and its twin
-#   qwen05-chat    lever 3 on the 0.5B
+#   qwen05-chat    lever 3 on the 0.5B (~12 min of sampling + ~12 min carving + ~30 min of tasks)
+#   smollm2-genres lever 3's control: War and Peace (the bundled sample's second genre) in place of the
+#                  conversations (~4 min carving + ~10 min of tasks)
 # Run it alone (nice is fine): tuning and scoring share nothing with other jobs but the cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -143,9 +145,20 @@ for step in ${*:-smollm2-262k}; do
       .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/qwen05-a50 out/qwen05-a50-seed1 \
         out/qwen05-a50-chat --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
         --out results/quality/tasks-qwen05-chat-1000.json ;;
+    smollm2-genres)  # lever 3's control: half the bundled sample's WikiText, half its other genre (War and Peace),
+      # the same share of other text as smollm2-chat, real prose instead of conversations
+      carve models/smollm2-135m out/smollm2-a50 50
+      carve models/smollm2-135m out/smollm2-a50-seed1 50 --seed 1
+      sed -n '321,$p' moeify/data/calib_sample.txt > out/levers/war-and-peace.txt  # after the blank line between
+      .venv/bin/python scripts/chat_text.py models/smollm2-135m out/levers/genres-smollm2-135m.txt \
+        --prefix moeify/data/calib_sample.txt --prefix-tokens 8192 --control out/levers/war-and-peace.txt
+      carve models/smollm2-135m out/smollm2-a50-genres 50 --calib out/levers/genres-smollm2-135m.txt
+      .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/smollm2-a50 out/smollm2-a50-seed1 \
+        out/smollm2-a50-genres --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
+        --out results/quality/tasks-smollm2-genres-1000.json ;;
     *) echo "bench_tasks.sh: unknown step $step (smollm2-262k, qwen05-free, qwen05-262k, smollm2-1000," \
          "smollm2-contribution, smollm2-active75, smollm2-dense-layers, qwen05-1000, qwen05-dense-layers," \
-         "qwen05-active75, smollm2-chat, qwen05-chat)" >&2
+         "qwen05-active75, smollm2-chat, qwen05-chat, smollm2-genres)" >&2
        exit 2 ;;
   esac
 done
