@@ -1,5 +1,5 @@
 """Question-and-answer text that an instruct model writes itself from its own chat template, for calibration and
-tuning mixes (issue "task retention", lever 3): no task data, no hand-written prompts.
+tuning mixes (BENCHMARKS.md, "The third lever"): no task data, no hand-written prompts.
 
 Each conversation is two samplings at temperature 1 (as tuning's free sampling): the user's turn, continued from the
 template's opening (its default system prompt and the user header), up to the end-of-turn token; then the
@@ -10,7 +10,7 @@ question, a blank line, the answer, a blank line), as the zero-shot tasks are sc
         [--prefix TEXT --prefix-tokens N]     # OUT starts with TEXT's first N tokens (a calibration mix)
         [--control OTHER]                     # the same mix with OTHER's text in place of conversations
 
-Calibration reads a file's first --calib-tokens tokens, so a mix of half today's text and half conversations is
+Calibration reads a file's first --calib-tokens tokens, so a mix of half the bundled sample and half conversations is
 `--prefix moeify/data/calib_sample.txt --prefix-tokens 8192` for a preset's 16,384 calibration tokens.
 """
 
