@@ -21,11 +21,17 @@
 #   qwen05-dense-layers  the 0.5B's 50% preset with its 2 most sensitive layers kept dense and top-7 of 28 elsewhere
 #                  (0.515x the dense FFN FLOPs, the preset 0.502x), beside the preset and its twin (~12 + ~25 min)
 #   qwen05-active75  the 0.5B's active-75 preset training-free beside the 50% one (~11 min + ~30 min)
+#   qwen05-active25  the 0.5B's 25% preset at 1,000 items beside the 50% one (~12 min + ~25 min)
 #   smollm2-chat   lever 3: the 50% preset calibrated on half the bundled sample, half conversations the model
 #                  writes from its own chat template (scripts/chat_text.py), beside the preset and its twin
 #   qwen05-chat    lever 3 on the 0.5B (~12 min of sampling + ~12 min carving + ~30 min of tasks)
 #   smollm2-genres lever 3's control: War and Peace (the bundled sample's second genre) in place of the
 #                  conversations (~4 min carving + ~10 min of tasks)
+#   smollm2-spread the presets' calibration windows spread over both genres of the bundled sample (the default
+#                  since 2026-11-29) beside the head-calibrated preset and its twin (~4 min carving + ~10 min)
+#   qwen05-spread  the same on the 0.5B (~12 min carving + ~30 min of tasks)
+#   smollm2-spread-presets  all three presets calibrated spread (~6 min carving + ~20 min of tasks)
+#   qwen05-spread-active75  the 0.5B's active-75 calibrated spread beside its spread 50% (~11 min + ~25 min)
 # Run it alone (nice is fine): tuning and scoring share nothing with other jobs but the cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -125,6 +131,12 @@ for step in ${*:-smollm2-262k}; do
       .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/qwen05-a50 \
         out/qwen05-a75 --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
         --out results/quality/tasks-qwen05-active75-1000.json ;;
+    qwen05-active25)  # the 0.5B's 25% preset at 1,000 items, beside the 50% one (its answers cached)
+      carve models/qwen2.5-coder-0.5b out/qwen05-a50 50
+      carve models/qwen2.5-coder-0.5b out/qwen05-a25 25
+      .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/qwen05-a50 \
+        out/qwen05-a25 --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
+        --out results/quality/tasks-qwen05-active25-1000.json ;;
     smollm2-chat)  # lever 3: calibrated on half the bundled sample's first tokens, half conversations SmolLM2 writes
       # itself from its chat template (scripts/chat_text.py), beside the preset and its seed-1 twin
       carve models/smollm2-135m out/smollm2-a50 50
@@ -156,9 +168,32 @@ for step in ${*:-smollm2-262k}; do
       .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/smollm2-a50 out/smollm2-a50-seed1 \
         out/smollm2-a50-genres --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
         --out results/quality/tasks-smollm2-genres-1000.json ;;
+    smollm2-spread|qwen05-spread)  # the presets' 16,384 calibration tokens spread over the whole bundled sample
+      # (both genres; moeify/formats/text.py calibration_tokens) instead of its head, beside the head-calibrated
+      # preset and its seed-1 twin carved before that change (their answers cached)
+      if [ $step = smollm2-spread ]; then src=models/smollm2-135m o=out/smollm2-a50; else
+        src=models/qwen2.5-coder-0.5b o=out/qwen05-a50; fi
+      for d in $o $o-seed1; do [ -f $d/report.json ] || { echo "needs $d carved before the spread change" >&2; exit 2; }; done
+      carve $src $o-spread 50
+      .venv/bin/python scripts/bench_tasks.py $src $o $o-seed1 $o-spread --task-data ../shared/tasks --limit 1000 \
+        --dtype bfloat16 --max-tokens 4096 --out results/quality/tasks-${step%-spread}-spread-1000.json ;;
+    smollm2-spread-presets)  # the 75% and 25% presets calibrated as the 50% one now is (spread), beside it
+      carve models/smollm2-135m out/smollm2-a50-spread 50
+      carve models/smollm2-135m out/smollm2-a75-spread 75
+      carve models/smollm2-135m out/smollm2-a25-spread 25
+      .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/smollm2-a50-spread out/smollm2-a75-spread \
+        out/smollm2-a25-spread --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
+        --out results/quality/tasks-smollm2-spread-presets-1000.json ;;
+    qwen05-spread-active75)  # the 0.5B's active-75 preset calibrated spread, beside the spread 50% one
+      carve models/qwen2.5-coder-0.5b out/qwen05-a50-spread 50
+      carve models/qwen2.5-coder-0.5b out/qwen05-a75-spread 75
+      .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/qwen05-a50-spread out/qwen05-a75-spread \
+        --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
+        --out results/quality/tasks-qwen05-spread-active75-1000.json ;;
     *) echo "bench_tasks.sh: unknown step $step (smollm2-262k, qwen05-free, qwen05-262k, smollm2-1000," \
          "smollm2-contribution, smollm2-active75, smollm2-dense-layers, qwen05-1000, qwen05-dense-layers," \
-         "qwen05-active75, smollm2-chat, qwen05-chat, smollm2-genres)" >&2
+         "qwen05-active75, qwen05-active25, smollm2-chat, qwen05-chat, smollm2-genres, smollm2-spread, qwen05-spread," \
+         "smollm2-spread-presets, qwen05-spread-active75)" >&2
        exit 2 ;;
   esac
 done

@@ -284,6 +284,25 @@ def test_default_calib_tokens_are_capped(tmp_path, calib_model, monkeypatch):
     assert windows.shape == (32, 64)
 
 
+def test_fewer_calibration_windows_than_the_text_are_spread_over_all_of_it(tmp_path, calib_model):
+    """--calib-tokens below the text's length takes whole windows evenly spaced over the whole text (both files of
+    a two-file --calib), not its head; all of them in order when the count is the text's."""
+    from moeify.formats.text import calibration_tokens, encode_text, load_tokenizer, read_texts
+
+    first, second = tmp_path / "a.txt", tmp_path / "b.txt"
+    first.write_text(CORPUS.read_text()[:6000])
+    second.write_text(CORPUS.read_text()[-6000:])
+    ids = torch.tensor(encode_text(load_tokenizer(calib_model), read_texts([first, second]), add_special_tokens=False))
+    whole = ids[: len(ids) // 64 * 64].view(-1, 64)
+    n_first = len(encode_text(load_tokenizer(calib_model), read_texts([first]), add_special_tokens=False)) // 64
+    assert whole.shape[0] >= 8 and 2 <= n_first < whole.shape[0] - 2
+    windows, n_text = calibration_tokens(calib_model, [first, second], 4 * 64, 64)
+    picked = [int(i) for i in torch.arange(4) * whole.shape[0] // 4]
+    assert n_text == len(ids) and torch.equal(windows, whole[picked])
+    assert picked[0] == 0 and max(picked) > n_first  # the second file is read, not the first's head alone
+    assert torch.equal(calibration_tokens(calib_model, [first, second], 0, 64)[0], whole)
+
+
 def test_no_too_long_sequence_warning_when_tokenizing_long_text(tmp_path, calib_model):
     """transformers warns when a text is longer than the tokenizer's model_max_length; calibration and eval cut
     long texts into windows on purpose, so they silence that warning (and only that one)."""

@@ -146,7 +146,8 @@ def calibration_tokens(src_path: Path, files: list[str | Path], n_tokens: int,
     number of tokens in the text).
 
     n_tokens 0 (no --calib-tokens): as many whole windows as the text fills, up to CALIB_TOKENS_CAP tokens.
-    An explicit n_tokens larger than the text is an error."""
+    An explicit n_tokens larger than the text is an error. Fewer windows than the text fills are spread evenly
+    over all of it (every file and genre of a mixed text read, not its head alone)."""
     from .config import CALIB_TOKENS_CAP
 
     text = read_texts(files)
@@ -162,7 +163,13 @@ def calibration_tokens(src_path: Path, files: list[str | Path], n_tokens: int,
         what = (f"calibration text has {len(ids)} tokens, fewer than --calib-tokens {n_tokens}" if n_tokens else
                 f"calibration text has {len(ids)} tokens, fewer than one window of --calib-seq-len {seq_len}")
         raise MoeifyError(what, hint)
-    return torch.tensor(ids[: n_seq * seq_len]).view(n_seq, seq_len), len(ids)
+    whole = torch.tensor(ids[: len(ids) // seq_len * seq_len]).view(-1, seq_len)
+    return whole[spread(n_seq, whole.shape[0])], len(ids)
+
+
+def spread(n: int, total: int) -> torch.Tensor:
+    """n indices of range(total), evenly spaced from 0 (all of them, in order, when n == total)."""
+    return torch.arange(n) * total // n
 
 
 # ------------------------------------------------------------------------------------------- windows
