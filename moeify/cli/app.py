@@ -144,7 +144,8 @@ _HELP = {
     "weight_only": "Carve from the weights alone (no calibration: fast, much worse quality; see BENCHMARKS.md). With "
                    "--preset: the preset's layout, its calibrated settings replaced by weight-only ones (gate-cluster, "
                    "representative router, no refit, no tuning; each said in a note).",
-    "calib_tokens": "Calibration tokens; more than the text has is an error [default: all of the text, up to 65536].",
+    "calib_tokens": "Calibration tokens, in windows spread evenly over the text; more than the text has is an error "
+                    "[default: all of the text, up to 65536].",
     "calib_seq_len": "Calibration window length [default: 512, capped at the model's max_position_embeddings].",
     "calib_feed": "Next layer's calibration input: dense (the dense layer's output) | moe (the carved layer's output) "
                   "| corrected (the carved output, and each layer is fitted to restore the dense model's hidden "
