@@ -279,14 +279,14 @@ def run_upcycle_plan(plan, out: str | Path, *, overwrite: bool = False, progress
     """Write the upcycle a prepared plan describes, checked against the source; returns report.json. The KL of the
     model as written is measured on check_text (default: the bundled sample; a source without a tokenizer: random
     tokens, unless check_text is given, which then fails before anything is written)."""
-    from .formats.text import read_texts
+    from .formats.text import read_texts, first_windows
     from .formats.config import BUNDLED_CALIB
-    from .upcycling.upcycle import check_windows, run_upcycle
+    from .upcycling.upcycle import run_upcycle
 
     ids = None
     if check_text or any((plan.src.path / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
         text = read_texts(list(check_text) if check_text else [BUNDLED_CALIB])
-        ids = check_windows(plan.src, text, check_tokens)
+        ids = first_windows(plan.src.path, text, check_tokens, "--check-text")
     return run_upcycle(plan, out, overwrite=overwrite, progress=progress, check_ids=ids)
 
 

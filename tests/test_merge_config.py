@@ -240,10 +240,18 @@ def shared_yaml(path: Path, base: Path, experts: list[Path], shared: Path, mode:
     return path
 
 
-def test_a_shared_expert_of_the_base_beside_copies_of_it_reproduces_the_base(tmp_path, three):
+def test_a_shared_expert_of_the_base_beside_copies_of_it_reproduces_the_base(tmp_path, three, monkeypatch):
+    """... and its writing reads each layer's FFN once (the base named 5 times: 4 experts and the shared one)."""
+    from moeify.formats.checkpoint import CheckpointReader
+
+    reads = []
+    real = CheckpointReader.get
+    monkeypatch.setattr(CheckpointReader, "get", lambda self, name: reads.append(name) or real(self, name))
     base = three[0]
     cfg = shared_yaml(tmp_path / "moe.yml", base, [base] * 4, base)
     report = moeify.merge(None, tmp_path / "moe", config=cfg)
+    ffn = [n for n in reads if n.endswith("mlp.down_proj.weight") and n.startswith("model.layers.0.")]
+    assert len(ffn) == 2  # once writing, once by the check's dense stack (the output's names are experts.N / shared)
     assert report["format"] == "qwen2_moe" and report["shared_width"] == 96 and report["expert_width"] == 96
     assert report["check"]["exact_model"] == "as written: every expert the base's FFN"  # one stack, one pass
     model, info = load(tmp_path / "moe")

@@ -140,6 +140,9 @@ def test_read_ahead_returns_the_same_tensors_across_shards(tmp_path):
         assert got.dtype == data[name].dtype and torch.equal(got, data[name]), name
     assert not reader._ahead  # every read-ahead tensor was handed over (none kept in memory)
     reader.prefetch(names[:3])
+    reader.forget(names[:2])  # what a layer did not use (an expert no token reached) is dropped
+    assert list(reader._ahead) == [names[2]] and torch.equal(reader.get(names[2]), data[names[2]])
+    reader.prefetch(names[:3])
     reader.close()  # unclaimed read-ahead tensors are dropped and the thread stops
     assert reader._pool is None and not reader._ahead
 

@@ -68,6 +68,17 @@ class LayerStack:
             layer.mlp.experts.moeify_experts = self._experts(i)
         return layer.eval()
 
+    def prefetch(self, i: int) -> None:
+        """Start reading layer i's tensors in the background (nothing past the last layer; experts only when they
+        come from the files): one more layer resident, read while the current one computes."""
+        if 0 <= i < self.n_layers:
+            names = self.reader.layer_tensors(i)
+            self.reader.prefetch([n for n in names if ".experts." not in n] if self.expert_override else names)
+
+    def release(self, i: int) -> None:
+        """Drop what was prefetched of layer i and not used (experts no token reached)."""
+        self.reader.forget(self.reader.layer_tensors(i))
+
     def rotary(self) -> torch.nn.Module:
         """The config's rotary embedding, on the stack's device."""
         return self.rotary_cls(self.config).to(self.device)
@@ -245,21 +256,25 @@ class ResidentRun:
 def stream_hidden(stacks: list[LayerStack], ids: torch.Tensor,
                   progress: Callable[[str, int, int], None] | None = None) -> list[torch.Tensor]:
     """Final hidden states (after the final norm), float32, of each stack on ids (batch, seq): layer i of every stack
-    is built, run and freed before layer i + 1; each stack uses its own config's rotary embedding and mask (so a
+    is built, run and freed before layer i + 1 (whose tensors are read meanwhile); each stack uses its own config's rotary embedding and mask (so a
     config that lost a rope or window setting shows)."""
     pos_ids = position_ids(ids.shape[1])
     hidden = [s.embed(ids) for s in stacks]
     rotary = [s.rotary() for s in stacks]
     masks = [causal_mask(s.config, h, pos_ids) for s, h in zip(stacks, hidden)]
     n_layers = stacks[0].n_layers
+    for s in stacks:
+        s.prefetch(0)
     for i in range(n_layers):
         for j, s in enumerate(stacks):
+            s.prefetch(i + 1)  # read while this layer computes
             layer = s.layer(i)
             pos = rotary[j](hidden[j], position_ids=pos_ids)
             out = layer(hidden_states=hidden[j], position_embeddings=pos, attention_mask=masks[j],
                         position_ids=pos_ids)
             hidden[j] = out[0] if isinstance(out, tuple) else out
             del layer
+            s.release(i)
         if progress:
             progress("checking", i + 1, n_layers)
     finals = []

@@ -315,10 +315,10 @@ class CheckpointReader:
         ahead = self._ahead.pop(name, None)
         if ahead is not None:
             try:
-                tensor = ahead.result()
+                tensor, bad = ahead.result()
             except Exception as exc:
                 raise MoeifyError(f"tensor {name} in {path} could not be read ({exc})", "re-download this shard") from None
-            return self._checked(name, path, tensor)
+            return self._checked(name, path, tensor, bad)
         if path != self._open_path:
             self._close_open()
             if self.pickled:
@@ -355,8 +355,10 @@ class CheckpointReader:
             raise MoeifyError(f"tensor {name} in {path} could not be read ({exc})", "re-download this shard") from None
         return self._checked(name, path, tensor)
 
-    def _checked(self, name: str, path: Path, tensor: torch.Tensor) -> torch.Tensor:
-        bad = first_nonfinite(tensor) if self.scan_nonfinite else None
+    def _checked(self, name: str, path: Path, tensor: torch.Tensor, bad=False) -> torch.Tensor:
+        """tensor, unless the scan finds NaN/Inf in it; bad: the scan's result when it ran already (read ahead)."""
+        if bad is False:
+            bad = first_nonfinite(tensor) if self.scan_nonfinite else None
         if bad is not None:
             count, first, value = bad
             if not self.allow_nonfinite:
@@ -391,9 +393,16 @@ class CheckpointReader:
             if name in self._span and name not in self._ahead:
                 self._ahead[name] = self._pool.submit(self._read_ahead, name)
 
-    def _read_ahead(self, name: str) -> torch.Tensor:
-        """On the reader thread: its own file handle (the caller's stays where it is). File reads release the
-        GIL, so the disk works while the caller computes."""
+    def forget(self, names) -> None:
+        """Drop what was prefetched of these tensors and not taken (an expert no token reached)."""
+        for name in names:
+            fut = self._ahead.pop(name, None)
+            if fut is not None:
+                fut.cancel()
+
+    def _read_ahead(self, name: str) -> tuple[torch.Tensor, tuple | None]:
+        """On the reader thread: its own file handle (the caller's stays where it is), and the NaN/Inf scan there
+        too. File reads and the scan release the GIL, so both run while the caller computes."""
         path = self.file_of[name]
         if self._ahead_path != path:
             if self._ahead_fh is not None:
@@ -402,7 +411,8 @@ class CheckpointReader:
             self._ahead_path = path
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(self._ahead_fh.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        return self._read(name, self._ahead_fh)
+        tensor = self._read(name, self._ahead_fh)
+        return tensor, first_nonfinite(tensor) if self.scan_nonfinite else None
 
     def _read(self, name: str, fh) -> torch.Tensor:
         """Read one tensor's bytes straight into a new tensor with plain reads (no mmap): the process holds only

@@ -172,6 +172,15 @@ def spread(n: int, total: int) -> torch.Tensor:
     return torch.arange(n) * total // n
 
 
+def first_windows(src_path: Path, text: str, tokens: int, flag: str, seq: int = 64) -> torch.Tensor:
+    """(n, seq) windows of the first `tokens` tokens of `text` (the file(s) of `flag`) in the checkpoint's own
+    tokenizer, made before any work, so that a missing tokenizer or too short a text fails first."""
+    ids = encode_text(source_tokenizer(src_path), text, add_special_tokens=False)[:tokens]
+    if len(ids) < seq:
+        raise MoeifyError(f"{flag} has {len(ids)} tokens, fewer than one window of {seq}", f"give {flag} a longer text")
+    return torch.tensor(ids[: len(ids) // seq * seq]).view(-1, seq)
+
+
 # ------------------------------------------------------------------------------------------- windows
 
 

@@ -259,9 +259,8 @@ def prepare_merge(sources, out: str | Path, *, config=None, base=None, granulari
                   overwrite: bool = False, allow_pickle: bool = False, force: bool = False,
                   progress: Callable[[str, int, int], None] | None = None, **settings) -> UpcyclePlan:
     """The merge planned and its router rows made (moeify.api.merge's arguments): every check before any writing."""
-    from ..formats.text import read_texts
+    from ..formats.text import read_texts, first_windows
     from ..formats.config import parse_size
-    from ..upcycling.upcycle import check_windows
     from ..formats.output import check_output_path
 
     req = merge_request(sources, config=config, base=base, granularity=granularity, top_k=top_k,
@@ -276,8 +275,8 @@ def prepare_merge(sources, out: str | Path, *, config=None, base=None, granulari
                       allow_pickle=allow_pickle, force=force, shared=None if shared is None else resolve(shared.source),
                       shared_scale=1.0 if shared is None or shared.residual_scale is None else shared.residual_scale)
     check_output_path(Path(out), overwrite, plan.src.path)
-    texts = None if router_text is None else [check_windows(plan.src, read_texts([f]), router_tokens)
-                                                for f in router_text]
+    texts = None if router_text is None else [first_windows(plan.src.path, read_texts([f]), router_tokens,
+                                                              f"--router-text {f}") for f in router_text]
     plan.router_rows = gate_rows(plan, req.gate_mode, prompts=req.prompts, texts=texts, seed=plan.settings.seed,
                                  progress=progress)
     if shared is not None and shared.positive and req.gate_mode not in UNPROMPTED:

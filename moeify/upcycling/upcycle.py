@@ -138,14 +138,19 @@ class UpcyclePlan:
         return (self.shared_source is None or self.shared_source.path == self.src.path) and self.shared_scale == 1 \
             and self.shared_rows is None
 
-    def ffns(self, i: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Layer i's dense (gate, up, down) of every copy: the source's for an upcycle, each source's for a merge."""
-        read: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # a checkpoint named twice: read once
-        for r in self.readers or [self.reader]:
+    def ffns(self, i: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], tuple | None]:
+        """Layer i's dense (gate, up, down) of every copy (the source's for an upcycle, each source's for a merge),
+        and of a merge's shared source when it has one (else None): a checkpoint named twice is read once."""
+        read: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+        def of(r: CheckpointReader) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             if id(r) not in read:
                 read[id(r)] = tuple(r.get(f"model.layers.{i}.mlp.{n}_proj.weight") for n in ("gate", "up", "down"))
-        ffns = [read[id(r)] for r in self.readers or [self.reader]]
-        return ffns if self.sources else ffns * self.layout.copies
+            return read[id(r)]
+
+        ffns = [of(r) for r in self.readers or [self.reader]]
+        shared = of(self.shared_reader) if self.layout.shared_apart else None
+        return (ffns if self.sources else ffns * self.layout.copies), shared
 
     def base_ffn(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer i's (gate, up, down) of the base (a merge's exact construction: every copy the base's FFN)."""
@@ -304,10 +309,11 @@ class LayerExperts:
 
 
 def layer_experts(plan: UpcyclePlan, i: int, ffns: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                  broken: bool = True) -> LayerExperts:
+                  broken: bool = True, shared_ffn: tuple | None = None) -> LayerExperts:
     """Layer i's experts from the dense gate/up/down of each copy (plan.ffns(i): one FFN E times, or a merge's one
     per source), deterministic in (seed, i): broken=False gives the copies before symmetry breaking and a merge's
-    residual scales (what the exactness check runs)."""
+    residual scales (what the exactness check runs). shared_ffn: a merge's shared source's FFN as plan.ffns(i) read
+    it (None: read here)."""
     s, lay = plan.settings, plan.layout
     gen = torch.Generator().manual_seed(s.seed * 1_000_003 + i)
     rows = random_router(lay.copies, plan.src.hidden, plan.router_std, gen)
@@ -350,8 +356,8 @@ def layer_experts(plan: UpcyclePlan, i: int, ffns: list[tuple[torch.Tensor, torc
     if symmetry == "drop":
         report["reinitialised_neurons"] = [drop_count(s.drop_share, w)] * lay.n_experts
     if lay.shared_apart:  # gate 1/2 at rest × 2 / 2: the shared FFN's own output × its residual scale
-        sg, su, sd = plan.shared_ffn(i)
-        shared = sg, su, (sd.float() * plan.shared_scale).to(sd.dtype)
+        sg, su, sd = shared_ffn if shared_ffn is not None else plan.shared_ffn(i)
+        shared = sg, su, sd if plan.shared_scale == 1 else (sd.float() * plan.shared_scale).to(sd.dtype)
     else:
         shared = shared_expert(gate, up, down, shared_idx, SHARED_GATE_FACTOR) if lay.shared_width else None
     if lay.shared_width and not lay.shared_apart:
@@ -387,19 +393,6 @@ def _ffn_tensors(plan: UpcyclePlan, i: int, le: LayerExperts):
 
 
 # ------------------------------------------------------------------------------------------------ running
-
-
-def check_windows(src: SourceModel, text: str, tokens: int, seq: int = 64) -> torch.Tensor:
-    """(n, seq) windows of the first `tokens` tokens of `text` in the source's own tokenizer, for the KL of the
-    model as written (before any work: a missing tokenizer or too short a text fails here)."""
-    from ..formats.text import source_tokenizer
-    from ..formats.text import encode_text
-
-    ids = encode_text(source_tokenizer(src.path), text, add_special_tokens=False)[:tokens]
-    if len(ids) < seq:
-        raise MoeifyError(f"--check-text has {len(ids)} tokens, fewer than one window of {seq}",
-                          "give a longer text (or leave out --check-text: the bundled sample)")
-    return torch.tensor(ids[: len(ids) // seq * seq]).view(-1, seq)
 
 
 def run_upcycle(plan: UpcyclePlan, out: str | Path, *, overwrite: bool = False, progress: Progress | None = None,
@@ -441,7 +434,7 @@ def _regenerate(plan: UpcyclePlan, broken: bool, base_only: bool = False):
     """Each layer's experts made again (the check's, for an output too large to read back, and the construction before
     symmetry breaking), cast as the output holds them; base_only: every copy the base's FFN (a merge's exact model)."""
     def experts(i: int):
-        ffns = [plan.base_ffn(i)] * plan.layout.copies if base_only else plan.ffns(i)
+        ffns = [plan.base_ffn(i)] * plan.layout.copies if base_only else plan.ffns(i)[0]
         return layer_experts(plan, i, ffns, broken).experts.cast(plan.out_dtype)
     return experts
 
@@ -468,7 +461,9 @@ def _write_tensors(plan: UpcyclePlan, writer, progress: Progress | None) -> list
         if i + 1 < src.n_layers:
             plan.reader.prefetch(plan.reader.layer_tensors(i + 1))
         write_attention(writer, reader, src, plan.fmt, i, dtype)
-        le = layer_experts(plan, i, plan.ffns(i))
+        ffns, shared = plan.ffns(i)
+        le = layer_experts(plan, i, ffns, shared_ffn=shared)
+        del ffns, shared
         for name, t in _ffn_tensors(plan, i, le):
             writer.write(name, t)
         layers.append(le.report)
