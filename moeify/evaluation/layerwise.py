@@ -256,8 +256,8 @@ class ResidentRun:
 def stream_hidden(stacks: list[LayerStack], ids: torch.Tensor,
                   progress: Callable[[str, int, int], None] | None = None) -> list[torch.Tensor]:
     """Final hidden states (after the final norm), float32, of each stack on ids (batch, seq): layer i of every stack
-    is built, run and freed before layer i + 1 (whose tensors are read meanwhile); each stack uses its own config's rotary embedding and mask (so a
-    config that lost a rope or window setting shows)."""
+    is built, run and freed before layer i + 1 (whose tensors are read meanwhile); each stack uses its own config's
+    rotary embedding and mask (so a config that lost a rope or window setting shows)."""
     pos_ids = position_ids(ids.shape[1])
     hidden = [s.embed(ids) for s in stacks]
     rotary = [s.rotary() for s in stacks]
