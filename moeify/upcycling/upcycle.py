@@ -434,8 +434,8 @@ def _regenerate(plan: UpcyclePlan, broken: bool, base_only: bool = False):
     """Each layer's experts made again (the check's, for an output too large to read back, and the construction before
     symmetry breaking), cast as the output holds them; base_only: every copy the base's FFN (a merge's exact model)."""
     def experts(i: int):
-        ffns = [plan.base_ffn(i)] * plan.layout.copies if base_only else plan.ffns(i)[0]
-        return layer_experts(plan, i, ffns, broken).experts.cast(plan.out_dtype)
+        ffns, shared = ([plan.base_ffn(i)] * plan.layout.copies, None) if base_only else plan.ffns(i)
+        return layer_experts(plan, i, ffns, broken, shared_ffn=shared).experts.cast(plan.out_dtype)
     return experts
 
 
