@@ -278,7 +278,10 @@ def run_upcycle_plan(plan, out: str | Path, *, overwrite: bool = False, progress
                      check_text: Sequence[str | Path] | None = None, check_tokens: int = 512) -> dict:
     """Write the upcycle a prepared plan describes, checked against the source; returns report.json. The KL of the
     model as written is measured on check_text (default: the bundled sample; a source without a tokenizer: random
-    tokens, unless check_text is given, which then fails before anything is written)."""
+    tokens, unless check_text is given). The text is read first; it is tokenized on the check's thread as the
+    writing starts, and a tokenizer or text that fails stops the writer there, leaving nothing."""
+    from functools import partial
+
     from .formats.text import read_texts, first_windows
     from .formats.config import BUNDLED_CALIB
     from .upcycling.upcycle import run_upcycle
@@ -286,7 +289,7 @@ def run_upcycle_plan(plan, out: str | Path, *, overwrite: bool = False, progress
     ids = None
     if check_text or any((plan.src.path / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
         text = read_texts(list(check_text) if check_text else [BUNDLED_CALIB])
-        ids = first_windows(plan.src.path, text, check_tokens, "--check-text")
+        ids = partial(first_windows, plan.src.path, text, check_tokens, "--check-text")
     return run_upcycle(plan, out, overwrite=overwrite, progress=progress, check_ids=ids)
 
 

@@ -130,10 +130,12 @@ def test_a_large_output_is_checked_from_regenerated_experts_with_the_same_result
     assert regen["kl_to_source"] == pytest.approx(read["kl_to_source"], rel=1e-5)
 
 
-def test_the_check_holds_one_expert_at_a_time(tmp_path):
+def test_the_check_holds_two_experts_at_a_time_and_upcasts_equal_copies_once(tmp_path, monkeypatch):
     """The streamed check builds a layer without its experts and reads each from the files when tokens reach it,
-    freed after its product: one expert's tensors alive at a time, not the layer's (the peak at the Llama-3-8B
-    widths, E8: BENCHMARKS "Speed and memory")."""
+    freed once the next one is read (compared with it: an equal copy reuses its float32 weights): two experts'
+    tensors alive at a time, not the layer's (the peak at the Llama-3-8B widths, E8: BENCHMARKS "Speed and
+    memory"), and one upcast a layer for identical copies."""
+    import moeify.evaluation.layerwise as layerwise
     import weakref
 
     from moeify.formats.checkpoint import CheckpointReader
@@ -154,12 +156,21 @@ def test_the_check_holds_one_expert_at_a_time(tmp_path):
         return t
 
     reader.get = counted
+    upcasts, fused = [], layerwise._fused
+    monkeypatch.setattr(layerwise, "_fused", lambda *a: upcasts.append(1) or fused(*a))
     layer = stack.layer(0)
     assert live == [] and layer.mlp.experts.gate_up_proj.is_meta  # built without its experts
     stream_hidden([stack], torch.randint(0, 384, (2, 16), generator=torch.Generator().manual_seed(0)))
-    assert most[0] == 3  # gate, up and down of one expert at a time
+    assert most[0] == 6  # gate, up and down of two experts at a time
     assert len(set(names)) == len(names) >= 3 * 2 * 3  # each expert reached read once: 2+ of 4 a layer, 3 layers
+    assert len(upcasts) == 3  # the copies are equal (no symmetry breaking): upcast once a layer
     reader.close()
+    upcycle(src, tmp_path / "noisy", copies=4, top_k=2, symmetry="noise")
+    upcasts.clear()
+    noisy = CheckpointReader(tmp_path / "noisy")
+    stream_hidden([moe_stack(tmp_path / "noisy", noisy)], torch.randint(0, 384, (2, 16)))
+    assert len(upcasts) >= 3 * 2  # copies that differ: each reached one upcast
+    noisy.close()
 
 
 def test_a_construction_that_is_not_exact_is_refused_and_nothing_is_written(tmp_path, monkeypatch):

@@ -166,11 +166,13 @@ def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
                      top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' eager experts loop (the same products, in the same order), each expert's weights upcast to the
     hidden states' dtype as it is used. A layer that LayerStack built holds no experts (`moeify_experts`: each fetched
-    as stored when a token first reaches it, freed after its product), so the streamed check of an E8 upcycle of
-    Llama-3-8B holds one expert, not a layer's 2.8 GB (bf16) or 5.6 GB (float32)."""
+    as stored when a token first reaches it, freed after the next one's is fetched), so the streamed check of an E8
+    upcycle of Llama-3-8B holds two experts, not a layer's 2.8 GB (bf16) or 5.6 GB (float32); an expert equal to the
+    one before it (copies of one FFN: an exact construction) uses its upcast weights instead of making them again."""
     fetch = getattr(self, "moeify_experts", None)
     final = torch.zeros_like(hidden_states)
     mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+    last = None  # the previous fetched expert as stored, and upcast: an equal one (copies of one FFN) reuses it
     for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():
         e = int(e[0])
         if e == self.num_experts:
@@ -178,16 +180,29 @@ def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
         pos, tok = torch.where(mask[e])
         x = hidden_states[tok]
         if fetch is None:
-            gate_up, down = self.gate_up_proj[e], self.down_proj[e]
+            gate_up, down = self.gate_up_proj[e].to(x.dtype), self.down_proj[e].to(x.dtype)
         else:
-            gate, up, down = fetch[e]
-            gate_up = torch.cat([gate, up])  # transformers' fused layout: the gate rows, then the up rows
-            del gate, up
-        h = self._apply_gate(F.linear(x, gate_up.to(x.dtype)))
-        y = F.linear(h, down.to(x.dtype)) * top_k_weights[tok, pos, None]
+            stored = fetch[e]
+            if last is None or not all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(stored, last[0])):
+                last = None  # freed before the next upcast
+                last = stored, _fused(stored, x.dtype)
+            gate_up, down = last[1]
+            del stored
+        h = self._apply_gate(F.linear(x, gate_up))
+        y = F.linear(h, down) * top_k_weights[tok, pos, None]
         final.index_add_(0, tok, y.to(final.dtype))
-        del gate_up, down  # before the next expert is fetched
+        del gate_up, down
     return final
+
+
+def _fused(stored, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate, up, down) as stored -> (gate_up, down) in `dtype`, gate_up in transformers' fused layout (the gate rows,
+    then the up rows), each upcast in one pass (no concatenated copy in the stored dtype first)."""
+    gate, up, down = stored
+    gate_up = torch.empty((gate.shape[0] + up.shape[0], gate.shape[1]), dtype=dtype)
+    gate_up[:gate.shape[0]].copy_(gate)
+    gate_up[gate.shape[0]:].copy_(up)
+    return gate_up, down.to(dtype)
 
 
 def _stored_dtype_experts() -> str:
@@ -308,12 +323,16 @@ def compare_to_reference(ref: LayerStack, ref_final: torch.Tensor, others: list[
     a = ref_final.reshape(-1, ref_final.shape[-1])
     w_ref = ref.head()[1]
     heads = [(final.reshape(-1, final.shape[-1]), other.head()[1]) for other, final in others]
+    # an output matrix equal to the reference's (an upcycle's, a merge's copy of the base's) is upcast once for both
+    same = [w.dtype == w_ref.dtype and w.shape == w_ref.shape and torch.equal(w, w_ref) for _, w in heads]
     found = [{"max_logit_diff": 0.0, "logit_scale": 0.0, **({"kl": 0.0} if kl else {})} for _ in others]
     for s in range(0, a.shape[0], chunk):
-        la = head_logits(a[s:s + chunk], w_ref)
+        rows = [a[s:s + chunk]] + [b[s:s + chunk] for (b, _), eq in zip(heads, same) if eq]
+        joint = iter(head_logits(torch.cat(rows), w_ref).split([r.shape[0] for r in rows]))
+        la = next(joint)
         lp = F.log_softmax(la, -1) if kl else None
-        for (b, w), f in zip(heads, found):
-            lb = head_logits(b[s:s + chunk], w)
+        for (b, w), eq, f in zip(heads, same, found):
+            lb = next(joint) if eq else head_logits(b[s:s + chunk], w)
             f["max_logit_diff"] = max(f["max_logit_diff"], (la - lb).abs().max().item())
             f["logit_scale"] = max(f["logit_scale"], la.abs().max().item())
             if kl:

@@ -191,6 +191,10 @@ def _read_into(fh, start: int, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+class NotWritten(RuntimeError):
+    """A tensor of an output being written that its writer never wrote (it failed or was stopped)."""
+
+
 class CheckpointReader:
     """Lazy access to the tensors of a checkpoint directory (single file or sharded).
 
@@ -230,6 +234,10 @@ class CheckpointReader:
                                       "the checkpoint is inconsistent; re-download it")
                 self.tensors[name] = TensorInfo(name, dtype, shape)
                 self.file_of[name] = shard
+        self._init_reads()
+
+    def _init_reads(self) -> None:
+        """The open-shard and read-ahead state, empty."""
         self._open_path: Path | None = None
         self._open = None
         self._pool = None  # the read-ahead thread (prefetch), started on first use
@@ -313,9 +321,13 @@ class CheckpointReader:
         if path is None:
             raise MoeifyError(f"tensor {name} is missing from {self.root}", "the checkpoint is incomplete or not a supported layout")
         ahead = self._ahead.pop(name, None)
-        if ahead is not None:
+        if ahead is None:
+            self._wait(name)
+        else:
             try:
                 tensor, bad = ahead.result()
+            except NotWritten:
+                raise
             except Exception as exc:
                 raise MoeifyError(f"tensor {name} in {path} could not be read ({exc})", "re-download this shard") from None
             return self._checked(name, path, tensor, bad)
@@ -403,6 +415,7 @@ class CheckpointReader:
     def _read_ahead(self, name: str) -> tuple[torch.Tensor, tuple | None]:
         """On the reader thread: its own file handle (the caller's stays where it is), and the NaN/Inf scan there
         too. File reads and the scan release the GIL, so both run while the caller computes."""
+        self._wait(name)
         path = self.file_of[name]
         if self._ahead_path != path:
             if self._ahead_fh is not None:
@@ -413,6 +426,10 @@ class CheckpointReader:
                 os.posix_fadvise(self._ahead_fh.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         tensor = self._read(name, self._ahead_fh)
         return tensor, first_nonfinite(tensor) if self.scan_nonfinite else None
+
+    def _wait(self, name: str) -> None:
+        """Before a tensor's bytes are read: nothing to wait for in a finished checkpoint (a reader of one being
+        written waits for the writer here: moeify.formats.writer.WrittenReader)."""
 
     def _read(self, name: str, fh) -> torch.Tensor:
         """Read one tensor's bytes straight into a new tensor with plain reads (no mmap): the process holds only

@@ -143,7 +143,7 @@ def load_source(path: str | Path) -> SourceModel:
                               "Qwen3-MoE", "only bias-free llama/mistral/qwen3 checkpoints (and qwen2, whose q/k/v "
                               "biases Qwen2-MoE holds) are supported")
     # Let transformers standardise rope (legacy rope_theta/rope_scaling -> rope_parameters) and defaults.
-    cls = family_classes(model_type)[0]
+    cls = family_config(model_type)
     try:
         cfg = cls.from_dict({k: v for k, v in raw.items() if k not in ("auto_map",)})
     except Exception as exc:  # transformers raises many types for bad values
@@ -176,7 +176,15 @@ def family_classes(model_type: str) -> tuple[type, type, type]:
 
     config, layer, rotary = FAMILY_CLASSES[model_type]
     modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-    return getattr(importlib.import_module("transformers"), config), getattr(modeling, layer), getattr(modeling, rotary)
+    return family_config(model_type), getattr(modeling, layer), getattr(modeling, rotary)
+
+
+def family_config(model_type: str) -> type:
+    """transformers' config class of a source family, without its modeling module (~2 s of imports that reading a
+    config does not need: the layers are imported where they run, e.g. on the upcycle check's thread)."""
+    import importlib
+
+    return getattr(importlib.import_module("transformers"), FAMILY_CLASSES[model_type][0])
 
 
 def read_source_config(path: str | Path) -> SourceModel:

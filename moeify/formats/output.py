@@ -18,7 +18,7 @@ from pathlib import Path
 from .card import copy_licence, write as write_card
 from .checkpoint import PARTIAL_SUFFIX, is_inside
 from .families import TOKENIZER_FILES
-from .writer import WRITE_AHEAD_BYTES, BackgroundWriter, ShardLayout, ShardWriter, check_written
+from .writer import WRITE_AHEAD_BYTES, BackgroundWriter, ShardLayout, ShardWriter, WrittenReader, check_written
 from ..errors import MoeifyError
 
 
@@ -282,21 +282,66 @@ def staged_output(out: Path, overwrite: bool, src: Path | None = None, need_byte
             raise
 
 
-def write_shards(tmp: Path, layout: ShardLayout, fill, *, background: bool = True):
+def write_shards(tmp: Path, layout: ShardLayout, fill, *, background: bool = True, follow=None):
     """The planned shards of `layout` written into `tmp` by `fill(writer)` (which writes every planned tensor in
     order, through a background thread unless `background` is False), and their headers checked against the plan;
-    returns what `fill` returns. A failure aborts the writer (its thread stopped, its files closed) and raises."""
+    returns what `fill` returns. A failure aborts the writer (its thread stopped, its files closed) and raises.
+
+    follow(reader): run on a thread of its own while the shards are written, on a WrittenReader of them (each tensor
+    readable once written: the end-of-run check, a layer behind the writer); then the return value is
+    (fill's, follow's). follow's exception stops a background writer (fill's next write raises it), else it is
+    raised once the writer has finished."""
     writer = ShardWriter(tmp, layout)
+    reader = WrittenReader(writer) if follow is not None else None
     if background:
         writer = BackgroundWriter(writer, max_pending=WRITE_AHEAD_BYTES)
+    followed = None if follow is None else _Following(follow, reader, writer.fail if background else None)
     try:
         result = fill(writer)
         writer.finish()
-    except BaseException:
+    except BaseException as exc:
         writer.abort()
+        if followed is not None:
+            followed.stop(f"the writer stopped ({type(exc).__name__})")
         raise
-    check_written(tmp, [t for f in layout.files for t in f])
-    return result
+    try:
+        check_written(tmp, [t for f in layout.files for t in f])
+    except BaseException:
+        if followed is not None:
+            followed.stop("the output's headers failed their check")
+        raise
+    return result if followed is None else (result, followed.result())
+
+
+class _Following:
+    """follow(reader) on a thread (write_shards), its result or exception kept for the writer's side to take."""
+
+    def __init__(self, follow, reader, on_error=None):
+        import threading
+
+        self.reader, self.on_error, self._value, self._error = reader, on_error, None, None
+        self._thread = threading.Thread(target=self._run, args=(follow,), name="moeify-check", daemon=True)
+        self._thread.start()
+
+    def _run(self, follow) -> None:
+        try:
+            self._value = follow(self.reader)
+        except BaseException as exc:  # noqa: BLE001 - raised on the writer's side by result()
+            self._error = exc
+            if self.on_error is not None:
+                self.on_error(exc)
+        finally:
+            self.reader.close()
+
+    def stop(self, why: str) -> None:
+        self.reader.fail(why)
+        self._thread.join()
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 def write_metadata(tmp: Path, src: Path, *, report: dict, toml: str, config_json: dict | None = None) -> None:

@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import struct
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint import INDEX_NAME, TORCH_TO_ST, TensorInfo
+from .checkpoint import INDEX_NAME, TORCH_TO_ST, CheckpointReader, NotWritten, TensorInfo
 
 
 # ----------------------------------------------------------------------------------------------- writing
@@ -161,6 +162,7 @@ class ShardWriter:
 
     def __init__(self, out_dir: Path, layout: ShardLayout, metadata: dict[str, str] | None = None):
         self.out_dir = out_dir
+        self.on_readable = None  # called with n: the first n planned tensors can be read back from the files
         self.metadata = metadata  # extra safetensors __metadata__ entries of every shard
         self.layout = layout
         self.names = layout.file_names()
@@ -187,7 +189,11 @@ class ShardWriter:
                 buf = memoryview(data.view(torch.uint8).numpy())
                 for start in range(0, len(buf), WRITE_CHUNK):
                     self._fh.write(buf[start:start + WRITE_CHUNK])
+            if self.on_readable is not None and not isinstance(self._fh, _DirectFile):
+                self._fh.flush()  # out of Python's buffer: a reader of the file sees it (an O_DIRECT shard: at close)
         self._next += 1
+        if self.on_readable is not None and not isinstance(self._fh, _DirectFile):
+            self.on_readable(self._next)
 
     @contextmanager
     def _naming_the_shard(self):
@@ -235,6 +241,8 @@ class ShardWriter:
         """Flush and fsync the current shard before closing it, so a committed output is on disk."""
         if self._fh is not None:
             self._fh.flush()
+            if self.on_readable is not None and isinstance(self._fh, _DirectFile):
+                self.on_readable(self._next)
             os.fsync(self._fh.fileno())
             self._fh.close()
             self._fh = None
@@ -285,6 +293,13 @@ class BackgroundWriter:
         if self._error is not None:
             raise self._error
 
+    def fail(self, exc: BaseException) -> None:
+        """Stop from another thread (the check following the writer failed): what is queued is skipped and the
+        caller's next write() raises exc."""
+        with self._cond:
+            self._error = self._error or exc
+            self._cond.notify_all()
+
     def write(self, name: str, tensor: torch.Tensor) -> None:
         self._raise()
         nbytes = tensor.numel() * tensor.element_size()
@@ -308,6 +323,52 @@ class BackgroundWriter:
         self._error = self._error or RuntimeError("aborted")  # the thread skips what is still queued
         self._drain()
         self.writer.abort()
+
+class WrittenReader(CheckpointReader):
+    """The output a ShardWriter is writing, read as it is written: the shards' layout is the writer's plan, and
+    get() (and the read-ahead thread) wait until the writer has made a tensor's bytes readable from its file, so
+    that the end-of-run check follows the writer a layer behind instead of starting when the last shard is closed.
+    A writer that fails or is stopped (fail()) wakes every wait with NotWritten."""
+
+    def __init__(self, writer: ShardWriter):
+        self.root, self.allow_nonfinite, self.scan_nonfinite = writer.out_dir, False, False  # its sources were scanned
+        self.nonfinite, self.pickled = {}, False
+        self.tensors, self.file_of, self._span, self._position = {}, {}, {}, {}
+        for name, tensors in zip(writer.names, writer.layout.files):
+            offset = len(_header_bytes(tensors, writer.metadata))
+            for t in tensors:
+                self.tensors[t.name], self.file_of[t.name] = t, writer.out_dir / name
+                self._span[t.name] = (offset, offset + t.nbytes)
+                self._position[t.name] = len(self._position)
+                offset += t.nbytes
+        self._init_reads()
+        self._cond = threading.Condition()
+        self._readable, self._failed = 0, None
+        writer.on_readable = self.readable
+
+    def readable(self, n: int) -> None:
+        """The writer's call: its first n planned tensors are in their files."""
+        with self._cond:
+            self._readable = n
+            self._cond.notify_all()
+
+    def fail(self, why: str) -> None:
+        """The writer stopped: what it has not written will never be (every wait ends with NotWritten)."""
+        with self._cond:
+            self._failed = why
+            self._cond.notify_all()
+
+    def _wait(self, name: str) -> None:
+        pos = self._position[name]
+        with self._cond:
+            self._cond.wait_for(lambda: self._readable > pos or self._failed is not None)
+            if self._readable <= pos:
+                raise NotWritten(f"{name} was not written to {self.file_of[name]}: {self._failed}")
+
+    def close(self) -> None:
+        self.fail("the reader was closed")  # a read-ahead still waiting ends now
+        super().close()
+
 
 def write_attention(writer, reader, src, fmt: str, layer_idx: int, dtype: torch.dtype,
                     tuned: dict[str, torch.Tensor] | None = None) -> None:

@@ -24,7 +24,7 @@ READ_BACK_BYTES = 16 << 30  # outputs up to this size are checked from the files
 
 
 def check_output(plan, out_dir: Path, regenerate: Callable[..., Experts], progress: Progress | None = None,
-                 text_ids: torch.Tensor | None = None) -> dict:
+                 text_ids: torch.Tensor | None = None, out_reader: CheckpointReader | None = None) -> dict:
     """The source and the written MoE streamed one decoder layer at a time (moeify.evaluation.layerwise), in one
     pass over `text_ids` (else 64 random tokens): the model as written scored by its KL to the source, and the exact
     construction (the model as written when it is one; else the copies before symmetry breaking, a merge's every copy
@@ -33,10 +33,11 @@ def check_output(plan, out_dir: Path, regenerate: Callable[..., Experts], progre
     text is checked, not every one. plan: the
     UpcyclePlan; regenerate(broken, base_only=False): each layer's experts made again, as the output holds them.
     Both checkpoints are read without the NaN/Inf scan: this process read every source tensor through it while
-    writing, and wrote the output from them."""
+    writing, and wrote the output from them. out_reader: the output's reader (a WrittenReader while it is being
+    written: the check a layer behind the writer); else one is opened on out_dir's files."""
     src = plan.src
     src_reader = CheckpointReader(src.path, scan_nonfinite=False)
-    out_reader = CheckpointReader(out_dir, scan_nonfinite=False)
+    out_reader = out_reader or CheckpointReader(out_dir, scan_nonfinite=False)
     from_files = plan.output_bytes <= READ_BACK_BYTES
     dense = source_stack(src, src_reader, plan.out_dtype)  # the source as the output's dtype holds it
     written = moe_stack(out_dir, out_reader, None if from_files else regenerate(True))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Callable
@@ -396,9 +396,10 @@ def _ffn_tensors(plan: UpcyclePlan, i: int, le: LayerExperts):
 
 
 def run_upcycle(plan: UpcyclePlan, out: str | Path, *, overwrite: bool = False, progress: Progress | None = None,
-                check_ids: torch.Tensor | None = None) -> dict:
+                check_ids: torch.Tensor | Callable[[], torch.Tensor] | None = None) -> dict:
     """Write OUT atomically and check it against the source; returns the report (also OUT/report.json).
-    check_ids: (n, seq) token windows the model as written is scored on (KL to the source); None: random tokens."""
+    check_ids: (n, seq) token windows the model as written is scored on (KL to the source), or what makes them (on
+    the check's thread, beside the writer); None: random tokens."""
     out = Path(out)
     src = plan.src
     if plan.reader is None:
@@ -414,20 +415,48 @@ def run_upcycle(plan: UpcyclePlan, out: str | Path, *, overwrite: bool = False, 
     return report
 
 
-def _write_output(plan: UpcyclePlan, tmp: Path, progress: Progress | None, check_ids: torch.Tensor | None) -> dict:
-    """Write into the temporary directory `tmp` and check it; returns the report."""
+def _write_output(plan: UpcyclePlan, tmp: Path, progress: Progress | None, check_ids) -> dict:
+    """Write into the temporary directory `tmp` and check it, the check a layer behind the writer on a thread of its
+    own (reading back each layer once written, or the sources through readers of its own); returns the report."""
     t0 = time.time()
-    layers = write_shards(tmp, plan.shards, lambda writer: _write_tensors(plan, writer, progress))
-    seconds = time.time() - t0
     (tmp / "config.json").write_text(json.dumps(plan.config_json, indent=2, sort_keys=True) + "\n")
-    check = check_output(plan, tmp, partial(_regenerate, plan), progress, check_ids)
-    check["seconds"] = round(time.time() - t0 - seconds, 3)
+
+    def follow(reader) -> dict:
+        ids = check_ids() if callable(check_ids) else check_ids
+        own, readers = _own_readers(plan)
+        try:
+            check = check_output(plan, tmp, partial(_regenerate, own), progress, ids, reader)
+        finally:
+            for r in readers:
+                r.close()
+        check["seconds"] = round(time.time() - t0, 3)  # its thread's time, from the writer's start
+        return check
+
+    layers, check = write_shards(tmp, plan.shards, lambda writer: _write_tensors(plan, writer, progress),
+                                 follow=follow)
+    seconds = time.time() - t0  # writing and checking, side by side
     summary = plan.summary()
     summary.pop("engines")
     report = {"moeify_version": __version__, **summary, "seconds": round(seconds, 3), "check": check,
               "layers": layers}
     write_metadata(tmp, plan.src.path, report=report, toml=recipe_toml(plan))
     return report
+
+
+def _own_readers(plan: UpcyclePlan) -> tuple[UpcyclePlan, list[CheckpointReader]]:
+    """The plan with readers of its own over the same checkpoints (a checkpoint named twice still read once), for
+    the check's thread while the writer's reads the plan's; and those readers, to close. Without the NaN/Inf scan:
+    the writer's side scans every source tensor it reads."""
+    fresh: dict[int, CheckpointReader] = {}
+
+    def own(r: CheckpointReader | None) -> CheckpointReader | None:
+        if r is not None and id(r) not in fresh:
+            fresh[id(r)] = CheckpointReader(r.root, allow_pickle=r.pickled, scan_nonfinite=False)
+        return None if r is None else fresh[id(r)]
+
+    copy = replace(plan, reader=own(plan.reader), readers=[own(r) for r in plan.readers],
+                               shared_reader=own(plan.shared_reader))
+    return copy, list(fresh.values())
 
 
 def _regenerate(plan: UpcyclePlan, broken: bool, base_only: bool = False):
