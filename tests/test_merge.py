@@ -43,7 +43,7 @@ def test_merging_one_model_with_itself_reproduces_it(tmp_path, tokenizer_dir, gr
 
 def test_one_checkpoint_named_several_times_is_copied_once_a_layer(tmp_path, tokenizer_dir, monkeypatch):
     """A merge naming the base 3 times makes each layer's expert once and writes it 3 times (the same bytes)."""
-    import moeify.upcycling.upcycle as up
+    import moeify.upcycling.layer as up
 
     made = []
     real = up.copy_expert

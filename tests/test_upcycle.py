@@ -175,7 +175,7 @@ def test_the_check_holds_two_experts_at_a_time_and_upcasts_equal_copies_once(tmp
 
 def test_a_construction_that_is_not_exact_is_refused_and_nothing_is_written(tmp_path, monkeypatch):
     src = build_dense(tmp_path / "dense")
-    import moeify.upcycling.upcycle as up
+    import moeify.upcycling.layer as up
 
     real = up.copy_expert
     monkeypatch.setattr(up, "copy_expert", lambda g, u, d, idx, factor: real(g, u, d, idx, 1.5))
