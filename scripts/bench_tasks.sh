@@ -32,6 +32,11 @@
 #   qwen05-spread  the same on the 0.5B (~12 min carving + ~30 min of tasks)
 #   smollm2-spread-presets  all three presets calibrated spread (~6 min carving + ~20 min of tasks)
 #   qwen05-spread-active75  the 0.5B's active-75 calibrated spread beside its spread 50% (~11 min + ~25 min)
+#   smollm2-chat-spread  lever 3 on top of the spread windows: half the bundled sample spread, half the model's own
+#                  conversations (the smollm2-chat ones), beside the spread preset (~3 min carving + ~10 min)
+#   qwen05-chat-spread  the same on the 0.5B (~12 min carving + ~30 min of tasks)
+#   smollm2-spread-262k  the spread 50% preset tuned on its 262,144 tokens, beside it (~50 min + ~10 min)
+#   smollm2-spread-262k-chat  the same tune with the conversations as its --tune-text (~50 min + ~10 min)
 # Run it alone (nice is fine): tuning and scoring share nothing with other jobs but the cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -45,11 +50,11 @@ carve() {  # SRC OUT PRESET [FLAGS...]: the training-free carve, unless it is th
 lever() {  # PRESET KEY VALUE: out/levers/PRESET-KEY-VALUE.toml, the preset with one key set (a lever to measure)
   { echo "$2 = \"$3\""; cat "configs/$1.toml"; } > "out/levers/$1-$2-$3.toml"
 }
-tuned() {  # SRC CARVE OUT TOKENS: the carve tuned on TOKENS, resumed if a run was interrupted
+tuned() {  # SRC CARVE OUT TOKENS [FLAGS...]: the carve tuned on TOKENS, resumed if a run was interrupted
   if [ -d "$3.moeify-tune" ]; then
     .venv/bin/moeify tune "$1" "$3" --resume
   elif ! grep -q '"tuning"' "$3/report.json" 2>/dev/null; then
-    rm -rf "$3" && cp -r "$2" "$3" && .venv/bin/moeify tune "$1" "$3" --tokens "$4"
+    rm -rf "$3" && cp -r "$2" "$3" && .venv/bin/moeify tune "$1" "$3" --tokens "$4" "${@:5}"
   fi
 }
 for step in ${*:-smollm2-262k}; do
@@ -190,10 +195,36 @@ for step in ${*:-smollm2-262k}; do
       .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/qwen05-a50-spread out/qwen05-a75-spread \
         --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
         --out results/quality/tasks-qwen05-spread-active75-1000.json ;;
+    smollm2-chat-spread|qwen05-chat-spread)  # lever 3 on top of the spread windows: the calibration text half the
+      # bundled sample (512-token windows spread over it, as the presets read it) and half the conversations the model
+      # wrote itself from its chat template (the ones smollm2-chat / qwen05-chat used: 12,877 / 14,930 tokens), so
+      # that the preset's 16,384 windows, spread over the mix, take half of each
+      if [ $step = smollm2-chat-spread ]; then m=smollm2-135m o=out/smollm2-a50 n=12800; else
+        m=qwen2.5-coder-0.5b o=out/qwen05-a50 n=14848; fi
+      conv=out/levers/conversations-$m.txt
+      [ -f $conv ] || .venv/bin/python scripts/chat_text.py models/$m $conv --tokens 12288
+      .venv/bin/python scripts/chat_text.py models/$m out/levers/chat-spread-$m.txt \
+        --prefix moeify/data/calib_sample.txt --prefix-tokens $n --spread --control $conv
+      carve models/$m $o-spread 50
+      carve models/$m $o-chat-spread 50 --calib out/levers/chat-spread-$m.txt
+      .venv/bin/python scripts/bench_tasks.py models/$m $o-spread $o-chat-spread --task-data ../shared/tasks \
+        --limit 1000 --dtype bfloat16 --max-tokens 4096 --out results/quality/tasks-$step-1000.json ;;
+    smollm2-spread-262k|smollm2-spread-262k-chat)  # the spread 50% preset tuned on the preset's 262,144 tokens
+      # (half the bundled sample, half sampled by the dense model), or with the conversations as its tuning text
+      conv=out/levers/conversations-smollm2-135m.txt
+      [ -f $conv ] || .venv/bin/python scripts/chat_text.py models/smollm2-135m $conv --tokens 12288
+      carve models/smollm2-135m out/smollm2-a50-spread 50
+      if [ $step = smollm2-spread-262k ]; then flags=(); else flags=(--tune-text $conv); fi
+      tuned models/smollm2-135m out/smollm2-a50-spread out/smollm2-a50-${step#smollm2-} 262144 "${flags[@]}"
+      .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/smollm2-a50-spread \
+        out/smollm2-a50-${step#smollm2-} \
+        --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
+        --out results/quality/tasks-$step-1000.json ;;
     *) echo "bench_tasks.sh: unknown step $step (smollm2-262k, qwen05-free, qwen05-262k, smollm2-1000," \
          "smollm2-contribution, smollm2-active75, smollm2-dense-layers, qwen05-1000, qwen05-dense-layers," \
          "qwen05-active75, qwen05-active25, smollm2-chat, qwen05-chat, smollm2-genres, smollm2-spread, qwen05-spread," \
-         "smollm2-spread-presets, qwen05-spread-active75)" >&2
+         "smollm2-spread-presets, qwen05-spread-active75, smollm2-chat-spread, qwen05-chat-spread," \
+         "smollm2-spread-262k, smollm2-spread-262k-chat)" >&2
        exit 2 ;;
   esac
 done

@@ -8,10 +8,14 @@ question, a blank line, the answer, a blank line), as the zero-shot tasks are sc
 
     python scripts/chat_text.py MODEL OUT.txt [--tokens 24576] [--seed 0] [--batch 16]
         [--prefix TEXT --prefix-tokens N]     # OUT starts with TEXT's first N tokens (a calibration mix)
+        [--spread]                            # ... with N tokens in 512-token windows spread over all of TEXT
         [--control OTHER]                     # the same mix with OTHER's text in place of conversations
 
-Calibration reads a file's first --calib-tokens tokens, so a mix of half the bundled sample and half conversations is
-`--prefix moeify/data/calib_sample.txt --prefix-tokens 8192` for a preset's 16,384 calibration tokens.
+Calibration spreads its --calib-tokens in whole windows evenly over the file (it read the file's first tokens until
+2026-11-29, when the mixes of `bench_tasks.sh smollm2-chat` were written: `--prefix moeify/data/calib_sample.txt
+--prefix-tokens 8192`, the first half of a preset's 16,384 tokens). A mix of half the bundled sample spread as the
+presets now read it and half conversations is `--prefix moeify/data/calib_sample.txt --prefix-tokens 12288 --spread`
+with --tokens 12288: the windows then cover both halves evenly.
 """
 
 from __future__ import annotations
@@ -54,16 +58,22 @@ def sample(model, tok, prompts: list[str], new: int, stop: list[int]) -> list[st
     return [tok.decode(row[enc["input_ids"].shape[1]:], skip_special_tokens=True).strip() for row in out]
 
 
-def prefix_text(tok, path: Path | None, n_tokens: int) -> str:
+def prefix_text(tok, path: Path | None, n_tokens: int, spread: bool = False, window: int = 512) -> str:
     """The first n_tokens tokens of the text at path, cut where the tokenizer puts the end of token n_tokens, and a
-    blank line ('' without a path)."""
+    blank line ('' without a path); with spread, n_tokens // window windows of `window` tokens evenly spaced over
+    the whole text (as calibration picks its windows), each followed by a blank line."""
     if path is None or n_tokens <= 0:
         return ""
     text = path.read_text(encoding="utf-8")
     spans = tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
     if len(spans) < n_tokens:
         raise SystemExit(f"chat_text.py: {path} has {len(spans)} tokens, fewer than --prefix-tokens {n_tokens}")
-    return text[:spans[n_tokens - 1][1]] + "\n\n"
+    if not spread:
+        return text[:spans[n_tokens - 1][1]] + "\n\n"
+    from moeify.formats.text import spread as spaced
+
+    starts = spaced(n_tokens // window, len(spans) // window) * window
+    return "".join(text[spans[s][0]:spans[s + window - 1][1]] + "\n\n" for s in starts.tolist())
 
 
 def main(argv=None) -> int:
@@ -77,6 +87,7 @@ def main(argv=None) -> int:
     ap.add_argument("--answer-tokens", type=int, default=320)
     ap.add_argument("--prefix", type=Path, help="a text whose first --prefix-tokens tokens open OUT")
     ap.add_argument("--prefix-tokens", type=int, default=0)
+    ap.add_argument("--spread", action="store_true", help="the prefix's tokens in windows spread over all of it")
     ap.add_argument("--control", type=Path, help="write the mix with this text in place of conversations (a control)")
     a = ap.parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -87,8 +98,8 @@ def main(argv=None) -> int:
         tok.pad_token = tok.eos_token
     if a.control:
         a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(prefix_text(tok, a.prefix, a.prefix_tokens) + a.control.read_text(encoding="utf-8"),
-                         encoding="utf-8")
+        prefix = prefix_text(tok, a.prefix, a.prefix_tokens, a.spread)
+        a.out.write_text(prefix + a.control.read_text(encoding="utf-8"), encoding="utf-8")
         print(f"{a.out}: {a.prefix} then {a.control}")
         return 0
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
@@ -108,7 +119,7 @@ def main(argv=None) -> int:
             b += 1
             print(f"batch {b}: {n_tokens} tokens, {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(prefix_text(tok, a.prefix, a.prefix_tokens) + "".join(texts), encoding="utf-8")
+    a.out.write_text(prefix_text(tok, a.prefix, a.prefix_tokens, a.spread) + "".join(texts), encoding="utf-8")
     print(f"{a.out}: {len(texts)} conversations, {n_tokens} tokens, {time.time() - t0:.0f} s")
     return 0
 
