@@ -174,7 +174,7 @@ def family_classes(model_type: str) -> tuple[type, type, type]:
     """transformers' (config, decoder layer, rotary embedding) classes of a source family (FAMILY_CLASSES)."""
     import importlib
 
-    config, layer, rotary = FAMILY_CLASSES[model_type]
+    _, layer, rotary = FAMILY_CLASSES[model_type]
     modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     return family_config(model_type), getattr(modeling, layer), getattr(modeling, rotary)
 

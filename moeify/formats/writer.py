@@ -324,6 +324,7 @@ class BackgroundWriter:
         self._drain()
         self.writer.abort()
 
+
 class WrittenReader(CheckpointReader):
     """The output a ShardWriter is writing, read as it is written: the shards' layout is the writer's plan, and
     get() (and the read-ahead thread) wait until the writer has made a tensor's bytes readable from its file, so
