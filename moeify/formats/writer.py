@@ -189,10 +189,11 @@ class ShardWriter:
                 buf = memoryview(data.view(torch.uint8).numpy())
                 for start in range(0, len(buf), WRITE_CHUNK):
                     self._fh.write(buf[start:start + WRITE_CHUNK])
-            if self.on_readable is not None and not isinstance(self._fh, _DirectFile):
-                self._fh.flush()  # out of Python's buffer: a reader of the file sees it (an O_DIRECT shard: at close)
+            followed = self.on_readable is not None and not isinstance(self._fh, _DirectFile)  # O_DIRECT: at close
+            if followed:
+                self._fh.flush()  # out of Python's buffer: a reader of the file sees it
         self._next += 1
-        if self.on_readable is not None and not isinstance(self._fh, _DirectFile):
+        if followed:
             self.on_readable(self._next)
 
     @contextmanager
