@@ -125,6 +125,7 @@ NEW_RUN = [
     ("--lr 2", _flags("--tokens", "1024", "--lr", "2"), ["--lr must be in (0, 1)"]),
     ("--tune-generated 1.5", _flags("--tokens", "1024", "--tune-generated", "1.5"), ["--tune-generated"]),
     ("--schedule bogus", _flags("--tokens", "1024", "--schedule", "bogus"), ["--schedule must be one of"]),
+    ("--hidden-weight -1", _flags("--tokens", "1024", "--hidden-weight", "-1"), ["--hidden-weight must be a number >= 0"]),
     ("--resume --restart", _flags("--resume", "--restart"), ["contradict"]),
     ("--resume without a state", _flags("--resume"), ["no interrupted tuning", "--tokens N"]),
 ]

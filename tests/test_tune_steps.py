@@ -258,3 +258,23 @@ def test_the_step_compiles_on_a_gpu_by_default_and_the_environment_overrides(mon
     assert wants_compile(auto, torch.device("cpu")) is True
     monkeypatch.setenv("MOEIFY_COMPILE", "0")
     assert wants_compile(auto, torch.device("cuda")) is False
+
+
+def test_layer_match_is_zero_on_the_teachers_states_one_on_zeros_and_has_the_students_gradient():
+    """moeify.training.hidden.layer_match: per layer the tokens' squared error relative to the teacher's squared norm,
+    averaged over tokens and layers; the teacher's side is never differentiated."""
+    from moeify.training.hidden import layer_match
+
+    g = torch.Generator().manual_seed(0)
+    teacher = [torch.randn(2, 5, 8, generator=g) * (i + 1) for i in range(3)]
+    assert layer_match([t.clone() for t in teacher], teacher).item() == 0.0
+    assert abs(layer_match([torch.zeros_like(t) for t in teacher], teacher).item() - 1.0) < 1e-6
+    half = layer_match([t * 0.5 for t in teacher], teacher).item()
+    assert abs(half - 0.25) < 1e-6  # scale-free: every layer's error a quarter of its norm, whatever the norm
+    student = [(t + 0.1 * torch.randn(t.shape, generator=g)).requires_grad_() for t in teacher]
+    leaf = [t.clone().requires_grad_() for t in teacher]
+    layer_match(student, leaf).backward()
+    assert all(s.grad is not None and s.grad.abs().sum() > 0 for s in student)
+    assert all(t.grad is None for t in leaf)
+    with pytest.raises(ValueError, match="2 student and 3 teacher layers"):
+        layer_match(student[:2], teacher)

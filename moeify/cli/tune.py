@@ -47,6 +47,11 @@ def tune_cmd(
                                                "[default: on]."),
     tune_attention: Optional[bool] = typer.Option(None, "--tune-attention/--experts-only", help="Also train "
                                                   "attention projections and RMSNorm weights [default: off]."),
+    hidden_weight: Optional[float] = typer.Option(None, "--hidden-weight", help="Also match every decoder layer's "
+                                                  "output to the dense model's: the loss adds this times the layers' "
+                                                  "mean squared error relative to the dense states; the teacher then "
+                                                  "runs in the loop, in one process [default: 0, the logit KL "
+                                                  "alone]."),
     seed: Optional[int] = typer.Option(None, help="Seed of the token stream and the sampled text [default: OUT's "
                                        "seed + 1000 x the number of earlier runs, so every run sees new text]."),
     schedule: Optional[str] = typer.Option(None, "--schedule", help="Step-size schedule of a tuned OUT's further "
@@ -96,6 +101,10 @@ def tune_cmd(
     if out is None or is_trainable_output(out):
         from .upcycle import train_cmd
 
+        if hidden_weight is not None:
+            _fail(MoeifyError("--hidden-weight matches a carve to its dense source; an output of moeify upcycle or "
+                              "merge trains on text alone", "drop --hidden-weight"))
+
         return train_cmd(out or src, None if out is None else src, dict(
             tokens=tokens, text=[*(calib or []), *(tune_text or [])], lr=lr, train_router=tune_router,
             train_attention=tune_attention, router_only=router_only, aux_loss_coef=aux_loss_coef, seed=seed,
@@ -110,7 +119,7 @@ def tune_cmd(
              "calib": None if calib is None else tuple(str(f) for f in calib),
              "tune_text": None if tune_text is None else tuple(str(f) for f in tune_text),
              "train_router": tune_router, "train_attention": tune_attention, "seed": seed, "schedule": schedule,
-             "step_tokens": step_tokens}
+             "step_tokens": step_tokens, "hidden_weight": hidden_weight}
     run = dict(resume=resume, restart=restart, device=device, save_every=save_every, memory_check=memory_check,
                offload=offload, timeout=timeout)
     _tune_carve(src, out, given, run, dry_run, json_dest)

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .hidden import LayerOutputs, layer_match
 from .kl import chunked_kl
 from .steps import Pending, TempKeeper, WindowStream, attention_params, eager_forwards, final_hidden, moe_kernel
 from .steps import share_frozen  # noqa: F401  (re-exported: its old home)
@@ -81,14 +82,18 @@ class DistillSettings:
     # where autocast is on (bf16: the logits rounded to it, as a bf16 dense step's cross-entropy reads them), or
     # always in float32. bf16 measured alike at equal tokens (SmolLM2, 50% preset, 65,536 tokens: within 0.16% on
     # three texts) and 11-13% faster a step (BENCHMARKS.md "Tuning speed"); the held-out checks stay float32
+    hidden_weight: float = 0.0  # > 0: the loss adds this times each decoder layer's output error relative to the
+    # teacher's (moeify.training.hidden.layer_match): the teacher runs on every window (no kept targets), eagerly
     seed: int = 0
 
 
 def wants_compile(settings: DistillSettings, device: torch.device, sharded: bool = False) -> bool:
     """Whether the training step's forwards go through torch.compile: settings.compile_model, None meaning on one
     GPU, the student not sharded by FSDP2 (the setting measured faster; across GPUs and with --offload not measured);
-    MOEIFY_COMPILE_MODEL=1 / 0 overrides; MOEIFY_COMPILE=0 turns every compilation off."""
+    MOEIFY_COMPILE_MODEL=1 / 0 overrides; MOEIFY_COMPILE=0 turns every compilation off; never with hidden_weight."""
     default = settings.compile_model
+    if settings.hidden_weight:
+        return False  # the layer outputs are recorded by forward hooks, on the eager modules
     if default is None:
         default = torch.device(device).type == "cuda" and not sharded
     want = os.environ.get("MOEIFY_COMPILE_MODEL", "1" if default else "0") == "1"
@@ -114,9 +119,10 @@ def accumulate_kl(teacher, student, batch: torch.Tensor, head: torch.Tensor, ctx
     """One step's gradients: the teacher's forward, the student's forward and backward and the chunked KL, one
     micro-batch of windows at a time (activations of one micro-batch held), gradients accumulated into .grad.
     targets: per window, the teacher's final hidden states kept from sampling (None where there are none): a
-    micro-batch whose windows all have them skips the teacher's forward. forwards: (teacher's, student's) final
-    hidden states of a micro-batch (compiled_forwards; default final_hidden). Returns the step's mean KL as a 0-dim
-    tensor (read with .item() only when it is shown or saved)."""
+    micro-batch whose windows all have them skips the teacher's forward (with settings.hidden_weight the teacher runs
+    on every window: the loss adds its layer-output term). forwards: (teacher's, student's) final hidden states of a
+    micro-batch (compiled_forwards; default final_hidden). Returns the step's mean KL as a 0-dim tensor (read with
+    .item() only when it is shown or saved)."""
     device, step_kl = next(student.parameters()).device, None
     fwd_t, fwd_s = forwards or eager_forwards(teacher, student)
     size = max(1, settings.micro_windows)
@@ -125,17 +131,32 @@ def accumulate_kl(teacher, student, batch: torch.Tensor, head: torch.Tensor, ctx
     for m, micro in enumerate(batch.split(size)):
         micro = micro.to(device)
         kept = None if targets is None else targets[m * size:(m + 1) * size]
+        share = micro.shape[0] / batch.shape[0]
         with ctx:
-            if kept is not None and all(t is not None for t in kept):
-                target = torch.stack([t.float() for t in kept]).to(device)  # (fp16 sampled, fp32 real)
+            if settings.hidden_weight:
+                kl, loss = _kl_and_layer_match(teacher, student, micro, head, settings, fwd_t, fwd_s, share)
             else:
-                with torch.no_grad():
-                    target = fwd_t(micro)
-            loss = chunked_kl(fwd_s(micro), target, head, settings.kl_chunk, settings.kl_logits) * (
-                micro.shape[0] / batch.shape[0])
+                if kept is not None and all(t is not None for t in kept):
+                    target = torch.stack([t.float() for t in kept]).to(device)  # (fp16 sampled, fp32 real)
+                else:
+                    with torch.no_grad():
+                        target = fwd_t(micro)
+                kl = loss = chunked_kl(fwd_s(micro), target, head, settings.kl_chunk, settings.kl_logits) * share
         loss.backward()
-        step_kl = loss.detach() if step_kl is None else step_kl + loss.detach()
+        step_kl = kl.detach() if step_kl is None else step_kl + kl.detach()
     return step_kl
+
+
+def _kl_and_layer_match(teacher, student, micro: torch.Tensor, head: torch.Tensor, settings: DistillSettings,
+                        fwd_t: Callable, fwd_s: Callable, share: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the micro-batch's KL × share, the loss to backpropagate: (KL + hidden_weight × layer_match) × share): both
+    models' decoder-layer outputs recorded (moeify.training.hidden), so the teacher runs on every window."""
+    with torch.no_grad(), LayerOutputs(teacher) as t_layers:
+        target = fwd_t(micro)
+    with LayerOutputs(student) as s_layers:
+        final = fwd_s(micro)
+    kl = chunked_kl(final, target, head, settings.kl_chunk, settings.kl_logits) * share
+    return kl, kl + settings.hidden_weight * layer_match(s_layers.outputs, t_layers.outputs) * share
 
 
 def lr_scale(settings: DistillSettings) -> float:

@@ -31,6 +31,8 @@ class TuneOptions:
     # and these (a doubling starts at half the peak and decays to 0); restart: a whole cosine from the peak
     step_tokens: int | None = None  # tokens an optimizer step; None: the device's (moeify.tuning.sizing.step_size),
     # resolved when the run starts and recorded, so a resumed run steps alike
+    hidden_weight: float = 0.0  # > 0: the loss adds this times each decoder layer's output error relative to the
+    # dense model's (moeify.training.hidden); the teacher then runs in the loop, in one process
 
     def validate(self) -> None:
         if not isinstance(self.tokens, int) or isinstance(self.tokens, bool) or self.tokens < 1:
@@ -44,6 +46,10 @@ class TuneOptions:
                                              or self.step_tokens < 1):
             raise MoeifyError(f"--step-tokens must be a positive integer (tokens an optimizer step), got "
                               f"{self.step_tokens!r}")
+        if not (isinstance(self.hidden_weight, (int, float)) and not isinstance(self.hidden_weight, bool)
+                and 0.0 <= self.hidden_weight < float("inf")):
+            raise MoeifyError(f"--hidden-weight must be a number >= 0 (the weight of the layer-output term; 0: the "
+                              f"logit KL alone), got {self.hidden_weight!r}")
         if self.schedule not in SCHEDULES:
             raise MoeifyError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         for f in (*self.calib, *self.tune_text):

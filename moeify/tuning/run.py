@@ -176,6 +176,9 @@ def _tune_across(src: Path, out: Path, root: Path, par, opts: TuneOptions | None
     """tune_output's run on every rank (one, or each of a torchrun's): its checks agreed, its decisions shared."""
     def checks():
         run = check_run(src, out, opts, resume=resume, restart=restart, base=base, given=given, world=par.world)
+        if run.opts.hidden_weight and (par.world > 1 or precompute_targets):
+            raise MoeifyError("--hidden-weight runs the teacher in the tuning loop, in one process",
+                              "tune with it on one device (no torchrun), or without it")
         if par.main:  # only rank 0 writes
             check_free_space(out, sum(f.stat().st_size for f in run.base.glob("*.safetensors")), overwrite=True)
         return run, fit_memory(src, run.bo, run.opts, par, offload, memory_check, notify if par.main else None)
@@ -191,6 +194,8 @@ def _tune_across(src: Path, out: Path, root: Path, par, opts: TuneOptions | None
         # on one GPU the teacher in the loop where it fits; the device's step (recorded in the options)
         inline = (teacher_inline(src, run.bo, run.opts, run.seq, par.device, par.world, offload_on)
                   if precompute_targets is None else not precompute_targets)
+        if run.opts.hidden_weight:  # the layers' outputs are matched in the loop: no pass computes them (checks())
+            inline = True
         step, micro = step_size(src, run.bo, run.opts, run.seq, par.device, par.world, offload_on, inline)
         return {"micro": micro, "teacher": "inline" if inline else "pass", "step": step}
 
@@ -230,7 +235,7 @@ def _tune(src: Path, out: Path, root: Path, run: CheckedRun, par, *, seed: int, 
     settings = DistillSettings(tokens=opts.tokens, lr=opts.lr, train_router=opts.train_router,
                                train_attention=opts.train_attention, seed=seed, schedule_from=schedule_from,
                                batch_tokens=opts.step_tokens or DistillSettings.batch_tokens,
-                               micro_windows=micro_windows)
+                               micro_windows=micro_windows, hidden_weight=opts.hidden_weight)
     bf16 = tuning_autocast(dev, settings.autocast)[1]
     # with the teacher in the loop, the sampled windows' hidden states are not kept (it computes them there)
     train, held, text, targets = tuning_data(root, src, bo, opts, seq, seed, teacher, progress, par, bf16=bf16,
@@ -274,7 +279,8 @@ def _tune(src: Path, out: Path, root: Path, run: CheckedRun, par, *, seed: int, 
         info["host_peak_bytes"], info["predicted_host_bytes"] = peak_memory("cpu")[0], predicted.host_total
     info = {"scope": "model", "lr": opts.lr, "schedule": opts.schedule, "schedule_from": round(schedule_from, 6),
             "seed": seed, "text": text, "resumed": bool(resume),  # from a saved state, in sampling or in tuning
-            "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), **info}
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            **({"hidden_weight": opts.hidden_weight} if opts.hidden_weight else {}), **info}
     del teacher
     release_memory()
     report, toml = _updated_report(bo, info, opts.train_router, opts.train_attention)
