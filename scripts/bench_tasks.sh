@@ -37,6 +37,9 @@
 #   qwen05-chat-spread  the same on the 0.5B (~12 min carving + ~30 min of tasks)
 #   smollm2-spread-262k  the spread 50% preset tuned on its 262,144 tokens, beside it (~50 min + ~10 min)
 #   smollm2-spread-262k-chat  the same tune with the conversations as its --tune-text (~50 min + ~10 min)
+#   smollm2-spread-262k-hidden  lever 4's objective: the same tune with every layer's output matched too
+#                  (--hidden-weight 16: the two terms' gradients of similar size at step 0,
+#                  results/tuning/layer-match-scale-smollm2-active50.json; the teacher in the loop)
 # Run it alone (nice is fine): tuning and scoring share nothing with other jobs but the cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -209,12 +212,14 @@ for step in ${*:-smollm2-262k}; do
       carve models/$m $o-chat-spread 50 --calib out/levers/chat-spread-$m.txt
       .venv/bin/python scripts/bench_tasks.py models/$m $o-spread $o-chat-spread --task-data ../shared/tasks \
         --limit 1000 --dtype bfloat16 --max-tokens 4096 --out results/quality/tasks-$step-1000.json ;;
-    smollm2-spread-262k|smollm2-spread-262k-chat)  # the spread 50% preset tuned on the preset's 262,144 tokens
-      # (half the bundled sample, half sampled by the dense model), or with the conversations as its tuning text
+    smollm2-spread-262k|smollm2-spread-262k-chat|smollm2-spread-262k-hidden)  # the spread 50% preset tuned on
+      # the preset's 262,144 tokens (half the bundled sample, half sampled by the dense model), or with the
+      # conversations as its tuning text, or with each layer's output matched as well
       conv=out/levers/conversations-smollm2-135m.txt
       [ -f $conv ] || .venv/bin/python scripts/chat_text.py models/smollm2-135m $conv --tokens 12288
       carve models/smollm2-135m out/smollm2-a50-spread 50
-      if [ $step = smollm2-spread-262k ]; then flags=(); else flags=(--tune-text $conv); fi
+      case $step in smollm2-spread-262k) flags=() ;; *-chat) flags=(--tune-text $conv) ;; *) flags=(--hidden-weight 16) ;;
+      esac
       tuned models/smollm2-135m out/smollm2-a50-spread out/smollm2-a50-${step#smollm2-} 262144 "${flags[@]}"
       .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/smollm2-a50-spread \
         out/smollm2-a50-${step#smollm2-} \
@@ -224,7 +229,7 @@ for step in ${*:-smollm2-262k}; do
          "smollm2-contribution, smollm2-active75, smollm2-dense-layers, qwen05-1000, qwen05-dense-layers," \
          "qwen05-active75, qwen05-active25, smollm2-chat, qwen05-chat, smollm2-genres, smollm2-spread, qwen05-spread," \
          "smollm2-spread-presets, qwen05-spread-active75, smollm2-chat-spread, qwen05-chat-spread," \
-         "smollm2-spread-262k, smollm2-spread-262k-chat)" >&2
+         "smollm2-spread-262k, smollm2-spread-262k-chat, smollm2-spread-262k-hidden)" >&2
        exit 2 ;;
   esac
 done
