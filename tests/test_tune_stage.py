@@ -361,7 +361,8 @@ def test_layer_matching_runs_the_teacher_in_the_loop_and_brings_every_layer_near
     """hidden_weight (`tune --hidden-weight`): the loss adds each decoder layer's output error relative to the dense
     model's (moeify.training.hidden.layer_match), so the teacher runs in the loop; the held-out KL (the early-stopping
     measure, unchanged) still falls, the layers' outputs end nearer the dense ones than the carve and the logit KL
-    alone leave them, and the run records its weight. Refused where no teacher runs in the loop (the teacher pass)."""
+    alone leave them, and the run records its weight (its dry run times such steps). Refused where no teacher runs in
+    the loop (the teacher pass)."""
     from moeify.training.hidden import LayerOutputs, layer_match
 
     dense, carve = carved
@@ -382,6 +383,10 @@ def test_layer_matching_runs_the_teacher_in_the_loop_and_brings_every_layer_near
     # (carve, KL alone, matched): 0.446, 0.467, 0.436 on 2026-12-01: the KL alone lets the layers drift from the
     # dense ones while it lowers the KL; the matched run brings them nearer than the carve had them
     assert matches[2] < matches[0] and matches[2] < 0.96 * matches[1], matches
+    from moeify.tuning import estimate_run
+
+    assert estimate_run(dense, copy_output(carve, tmp_path / "dry"), dataclasses.replace(OPTS, hidden_weight=1.0)
+                        )["teacher"] == "inline"  # the dry run times the steps the run takes
     with pytest.raises(MoeifyError, match="--hidden-weight runs the teacher in the tuning loop"):
         tune_output(dense, copy_output(carve, tmp_path / "pass"), dataclasses.replace(OPTS, hidden_weight=1.0),
                     precompute_targets=True)

@@ -51,8 +51,8 @@ def tune_cmd(
                                                   "output to the dense model's: the loss adds this times the layers' "
                                                   "mean squared error relative to the dense states (on SmolLM2's 50% "
                                                   "carve the KL's gradient is ~20x the layer term's at weight 1); the "
-                                                  "teacher then runs in the loop, in one process [default: 0, the "
-                                                  "logit KL alone]."),
+                                                  "teacher then runs in the loop, in one process (there: 1.15x a CPU "
+                                                  "step) [default: 0, the logit KL alone]."),
     seed: Optional[int] = typer.Option(None, help="Seed of the token stream and the sampled text [default: OUT's "
                                        "seed + 1000 x the number of earlier runs, so every run sees new text]."),
     schedule: Optional[str] = typer.Option(None, "--schedule", help="Step-size schedule of a tuned OUT's further "

@@ -194,8 +194,6 @@ def _tune_across(src: Path, out: Path, root: Path, par, opts: TuneOptions | None
         # on one GPU the teacher in the loop where it fits; the device's step (recorded in the options)
         inline = (teacher_inline(src, run.bo, run.opts, run.seq, par.device, par.world, offload_on)
                   if precompute_targets is None else not precompute_targets)
-        if run.opts.hidden_weight:  # the layers' outputs are matched in the loop: no pass computes them (checks())
-            inline = True
         step, micro = step_size(src, run.bo, run.opts, run.seq, par.device, par.world, offload_on, inline)
         return {"micro": micro, "teacher": "inline" if inline else "pass", "step": step}
 

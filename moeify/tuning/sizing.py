@@ -48,8 +48,12 @@ def teacher_inline(src: Path, bo: BaseOutput, opts: TuneOptions, seq: int, dev: 
                    offload: bool = False) -> bool:
     """Whether a new run keeps the teacher in the loop: on one GPU, not offloaded (offloading means memory is
     short), where the memory model says the run fits with the teacher's FFNs kept (in bf16); elsewhere the teacher
-    pass computes the targets first and the FFNs are freed."""
+    pass computes the targets first and the FFNs are freed. Always with --hidden-weight: the layers' outputs are
+    matched in the loop (tune_output refuses it where the teacher cannot run there)."""
     from ..maths.memory import device_memory
+
+    if opts.hidden_weight:
+        return True
 
     if not dev.startswith("cuda") or world > 1 or offload:
         return False
