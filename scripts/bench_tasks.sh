@@ -37,6 +37,8 @@
 #   qwen05-chat-spread  the same on the 0.5B (~12 min carving + ~30 min of tasks)
 #   smollm2-spread-262k  the spread 50% preset tuned on its 262,144 tokens, beside it (~50 min + ~10 min)
 #   smollm2-spread-262k-chat  the same tune with the conversations as its --tune-text (~50 min + ~10 min)
+#   qwen05-contribution  lever 2 on the second size: the 0.5B's 50% preset (spread windows, as it carves now) with
+#                  its shared expert chosen by contribution, beside the preset (~25 min carving + ~60 min of tasks)
 #   smollm2-spread-262k-hidden  lever 4's objective: the same tune with every layer's output matched too
 #                  (--hidden-weight 16: the two terms' gradients of similar size at step 0,
 #                  results/tuning/layer-match-scale-smollm2-active50.json; the teacher in the loop)
@@ -95,6 +97,13 @@ for step in ${*:-smollm2-262k}; do
       .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/smollm2-a50 out/smollm2-a50-seed1 \
         out/smollm2-a50-contribution --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
         --out results/quality/tasks-smollm2-contribution-1000.json ;;
+    qwen05-contribution)  # the shared expert by contribution on the 0.5B, against the preset as it carves now
+      carve models/qwen2.5-coder-0.5b out/qwen05-a50-spread 50
+      lever active-50 shared_by contribution
+      carve models/qwen2.5-coder-0.5b out/qwen05-a50-spread-contribution out/levers/active-50-shared_by-contribution
+      .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/qwen05-a50-spread \
+        out/qwen05-a50-spread-contribution --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
+        --out results/quality/tasks-qwen05-contribution-1000.json ;;
     smollm2-active75)  # a 75% layout (half of d_ff shared + top-12 of 24 routed on SmolLM2), beside the presets
       sed -e 's/^active = 0.5$/active = 0.75/' -e 's/^shared = 0.25$/shared = 0.5/' configs/active-50.toml \
         > out/levers/active-75.toml
@@ -226,7 +235,7 @@ for step in ${*:-smollm2-262k}; do
         --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
         --out results/quality/tasks-$step-1000.json ;;
     *) echo "bench_tasks.sh: unknown step $step (smollm2-262k, qwen05-free, qwen05-262k, smollm2-1000," \
-         "smollm2-contribution, smollm2-active75, smollm2-dense-layers, qwen05-1000, qwen05-dense-layers," \
+         "smollm2-contribution, qwen05-contribution, smollm2-active75, smollm2-dense-layers, qwen05-1000, qwen05-dense-layers," \
          "qwen05-active75, qwen05-active25, smollm2-chat, qwen05-chat, smollm2-genres, smollm2-spread, qwen05-spread," \
          "smollm2-spread-presets, qwen05-spread-active75, smollm2-chat-spread, qwen05-chat-spread," \
          "smollm2-spread-262k, smollm2-spread-262k-chat, smollm2-spread-262k-hidden)" >&2
