@@ -41,7 +41,8 @@
 #                  its shared expert chosen by contribution, beside the preset (~25 min carving + ~60 min of tasks)
 #   smollm2-spread-262k-hidden  lever 4's objective: the same tune with every layer's output matched too
 #                  (--hidden-weight 16: the two terms' gradients of similar size at step 0,
-#                  results/tuning/layer-match-scale-smollm2-active50.json; the teacher in the loop)
+#                  results/tuning/layer-match-scale-smollm2-active50.json; the teacher in the loop), beside the plain
+#                  tune in the same run (~36 + ~40 min of tuning, ~30 min of tasks)
 # Run it alone (nice is fine): tuning and scoring share nothing with other jobs but the cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -223,14 +224,20 @@ for step in ${*:-smollm2-262k}; do
         --limit 1000 --dtype bfloat16 --max-tokens 4096 --out results/quality/tasks-$step-1000.json ;;
     smollm2-spread-262k|smollm2-spread-262k-chat|smollm2-spread-262k-hidden)  # the spread 50% preset tuned on
       # the preset's 262,144 tokens (half the bundled sample, half sampled by the dense model), or with the
-      # conversations as its tuning text, or with each layer's output matched as well
+      # conversations as its tuning text, or with each layer's output matched as well; the last beside the plain
+      # tune in the same run (a machine moves retention by up to 3 points: compare within one run)
       conv=out/levers/conversations-smollm2-135m.txt
       [ -f $conv ] || .venv/bin/python scripts/chat_text.py models/smollm2-135m $conv --tokens 12288
       carve models/smollm2-135m out/smollm2-a50-spread 50
+      outs=()
+      if [ $step = smollm2-spread-262k-hidden ]; then
+        tuned models/smollm2-135m out/smollm2-a50-spread out/smollm2-a50-spread-262k 262144
+        outs=(out/smollm2-a50-spread-262k)
+      fi
       case $step in smollm2-spread-262k) flags=() ;; *-chat) flags=(--tune-text $conv) ;; *) flags=(--hidden-weight 16) ;;
       esac
       tuned models/smollm2-135m out/smollm2-a50-spread out/smollm2-a50-${step#smollm2-} 262144 "${flags[@]}"
-      .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/smollm2-a50-spread \
+      .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/smollm2-a50-spread "${outs[@]}" \
         out/smollm2-a50-${step#smollm2-} \
         --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
         --out results/quality/tasks-$step-1000.json ;;
