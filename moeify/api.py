@@ -282,14 +282,14 @@ def run_upcycle_plan(plan, out: str | Path, *, overwrite: bool = False, progress
     writing starts, and a tokenizer or text that fails stops the writer there, leaving nothing."""
     from functools import partial
 
-    from .formats.text import read_texts, check_windows
+    from .formats.text import read_texts, first_windows
     from .formats.config import BUNDLED_CALIB
     from .upcycling.upcycle import run_upcycle
 
     ids = None
     if check_text or any((plan.src.path / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
         text = read_texts(list(check_text) if check_text else [BUNDLED_CALIB])
-        ids = partial(check_windows, plan.src.path, text, check_tokens, "--check-text")
+        ids = partial(first_windows, plan.src.path, text, check_tokens, "--check-text")
     return run_upcycle(plan, out, overwrite=overwrite, progress=progress, check_ids=ids)
 
 

@@ -282,33 +282,3 @@ def test_the_output_loads_with_no_missing_keys_and_trains(tmp_path):
 def test_the_python_api_refuses_unknown_settings():
     with pytest.raises(MoeifyError, match="unknown setting"):
         moeify.upcycle("src", "out", experts=8)
-
-
-def test_the_check_reads_its_text_with_the_checkpoints_tokenizer_json_as_transformers_does(tmp_path, tokenizer_dir,
-                                                                                          monkeypatch):
-    """The check's text windows come from tokenizer.json through the tokenizers library alone (no AutoTokenizer on
-    the check's critical path): the same ids as the one tokenizer loader; without a tokenizer.json, or one the library
-    cannot read, the loader's; too short a text is refused naming the flag."""
-    import moeify.formats.text as text_module
-    from moeify.formats.text import check_windows, first_windows
-
-    text = (tmp_path / "t.txt")
-    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
-    body = text.read_text()
-    fast = check_windows(tokenizer_dir, body, 256, "--check-text")
-    assert fast.shape == (256 // 64, 64) and torch.equal(fast, first_windows(tokenizer_dir, body, 256, "--check-text"))
-    loaded = []
-    real = text_module.source_tokenizer
-    monkeypatch.setattr(text_module, "source_tokenizer", lambda p: loaded.append(p) or real(p))
-    check_windows(tokenizer_dir, body, 256, "--check-text")
-    assert loaded == []  # the fast path never loads transformers' tokenizer
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    for f in tokenizer_dir.iterdir():
-        (broken / f.name).write_bytes(f.read_bytes())
-    (broken / "tokenizer.json").write_text("{not json")
-    with pytest.raises(MoeifyError, match="cannot load a tokenizer"):
-        check_windows(broken, body, 256, "--check-text")  # the loader's own error, not the library's
-    assert loaded == [broken]
-    with pytest.raises(MoeifyError, match="--check-text has .* fewer than one window of 64"):
-        check_windows(tokenizer_dir, "short", 256, "--check-text")

@@ -175,31 +175,10 @@ def spread(n: int, total: int) -> torch.Tensor:
 def first_windows(src_path: Path, text: str, tokens: int, flag: str, seq: int = 64) -> torch.Tensor:
     """(n, seq) windows of the first `tokens` tokens of `text` (the file(s) of `flag`) in the checkpoint's own
     tokenizer, made before any work, so that a missing tokenizer or too short a text fails first."""
-    return _windows(encode_text(source_tokenizer(src_path), text, add_special_tokens=False)[:tokens], flag, seq)
-
-
-def _windows(ids: list[int], flag: str, seq: int) -> torch.Tensor:
+    ids = encode_text(source_tokenizer(src_path), text, add_special_tokens=False)[:tokens]
     if len(ids) < seq:
         raise MoeifyError(f"{flag} has {len(ids)} tokens, fewer than one window of {seq}", f"give {flag} a longer text")
     return torch.tensor(ids[: len(ids) // seq * seq]).view(-1, seq)
-
-
-def check_windows(src_path: Path, text: str, tokens: int, flag: str, seq: int = 64) -> torch.Tensor:
-    """first_windows for the upcycle / merge check's KL text: through the tokenizers library alone where the checkpoint
-    has a tokenizer.json (the file transformers' fast tokenizer wraps: the same ids on the bundled sample for SmolLM2 and
-    Qwen2.5; 0.3-0.6 s to load, against ~1.3 s for AutoTokenizer's import and load, on the check's critical path),
-    else first_windows. Only the check reads its text this way: calibration, evaluation and router text keep the one
-    tokenizer loader (load_tokenizer)."""
-    path = Path(src_path) / "tokenizer.json"
-    if not path.is_file():
-        return first_windows(src_path, text, tokens, flag, seq)
-    from tokenizers import Tokenizer
-
-    try:
-        tok = Tokenizer.from_file(str(path))
-    except Exception:  # noqa: BLE001 - a file only transformers can read: its loader says what is wrong, if anything
-        return first_windows(src_path, text, tokens, flag, seq)
-    return _windows(tok.encode(text, add_special_tokens=False).ids[:tokens], flag, seq)
 
 
 # ------------------------------------------------------------------------------------------- windows
