@@ -109,7 +109,7 @@ def tune(src: str | Path, out: str | Path, tokens: int | None = None, *, resume:
     """Recovery tuning of the moeify output `out` towards its dense source `src` (a folder or a Hub id) on `tokens`
     fresh tokens; written back to `out` all or nothing. Returns the new report.json. resume: continue an interrupted
     run (its own settings; options given must agree). options: lr, generated, calib, tune_text, train_router,
-    train_attention, seed, schedule, step_tokens (moeify.tuning.TuneOptions). Under torchrun each process calls it."""
+    train_experts, train_attention, seed, schedule, step_tokens, hidden_weight (moeify.tuning.TuneOptions). Under torchrun each process calls it."""
     from .tuning import TuneOptions, tune_output
 
     given = {k: v for k, v in options.items() if v is not None}

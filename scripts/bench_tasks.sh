@@ -43,6 +43,11 @@
 #                  (--hidden-weight 16: the two terms' gradients of similar size at step 0,
 #                  results/tuning/layer-match-scale-smollm2-active50.json; the teacher in the loop), beside the plain
 #                  tune in the same run (~36 + ~40 min of tuning, ~30 min of tasks)
+#   smollm2-spread-262k-attention  lever 4's "attention at a low rate": the same tune with attention projections
+#                  and norms trained too (--tune-attention: a third of the experts' step), beside the plain tune
+#                  (~40 min of tuning + ~10 min of tasks once the plain tune is scored)
+#   smollm2-spread-262k-routers  lever 4's "routers alone first": the same tune with the experts frozen
+#                  (--router-only: what routing alone recovers), beside the plain tune (~30 min + ~10 min)
 # Run it alone (nice is fine): tuning and scoring share nothing with other jobs but the cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -222,19 +227,21 @@ for step in ${*:-smollm2-262k}; do
       carve models/$m $o-chat-spread 50 --calib out/levers/chat-spread-$m.txt
       .venv/bin/python scripts/bench_tasks.py models/$m $o-spread $o-chat-spread --task-data ../shared/tasks \
         --limit 1000 --dtype bfloat16 --max-tokens 4096 --out results/quality/tasks-$step-1000.json ;;
-    smollm2-spread-262k|smollm2-spread-262k-chat|smollm2-spread-262k-hidden)  # the spread 50% preset tuned on
-      # the preset's 262,144 tokens (half the bundled sample, half sampled by the dense model), or with the
-      # conversations as its tuning text, or with each layer's output matched as well; the last beside the plain
-      # tune in the same run (a machine moves retention by up to 3 points: compare within one run)
+    smollm2-spread-262k|smollm2-spread-262k-chat|smollm2-spread-262k-hidden|smollm2-spread-262k-attention|\
+    smollm2-spread-262k-routers)  # the spread 50% preset tuned on the preset's 262,144 tokens (half the bundled
+      # sample, half sampled by the dense model), or with the conversations as its tuning text, or with each layer's
+      # output matched as well, or with attention and norms trained too, or its routers alone; the last three beside
+      # the plain tune in the same run (a machine moves retention by up to 3 points: compare within one run)
       conv=out/levers/conversations-smollm2-135m.txt
       [ -f $conv ] || .venv/bin/python scripts/chat_text.py models/smollm2-135m $conv --tokens 12288
       carve models/smollm2-135m out/smollm2-a50-spread 50
       outs=()
-      if [ $step = smollm2-spread-262k-hidden ]; then
+      if [ $step != smollm2-spread-262k ] && [ $step != smollm2-spread-262k-chat ]; then
         tuned models/smollm2-135m out/smollm2-a50-spread out/smollm2-a50-spread-262k 262144
         outs=(out/smollm2-a50-spread-262k)
       fi
-      case $step in smollm2-spread-262k) flags=() ;; *-chat) flags=(--tune-text $conv) ;; *) flags=(--hidden-weight 16) ;;
+      case $step in smollm2-spread-262k) flags=() ;; *-chat) flags=(--tune-text $conv) ;;
+        *-hidden) flags=(--hidden-weight 16) ;; *-attention) flags=(--tune-attention) ;; *) flags=(--router-only) ;;
       esac
       tuned models/smollm2-135m out/smollm2-a50-spread out/smollm2-a50-${step#smollm2-} 262144 "${flags[@]}"
       .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/smollm2-a50-spread "${outs[@]}" \
@@ -245,7 +252,8 @@ for step in ${*:-smollm2-262k}; do
          "smollm2-contribution, qwen05-contribution, smollm2-active75, smollm2-dense-layers, qwen05-1000, qwen05-dense-layers," \
          "qwen05-active75, qwen05-active25, smollm2-chat, qwen05-chat, smollm2-genres, smollm2-spread, qwen05-spread," \
          "smollm2-spread-presets, qwen05-spread-active75, smollm2-chat-spread, qwen05-chat-spread," \
-         "smollm2-spread-262k, smollm2-spread-262k-chat, smollm2-spread-262k-hidden)" >&2
+         "smollm2-spread-262k, smollm2-spread-262k-chat, smollm2-spread-262k-hidden," \
+         "smollm2-spread-262k-attention, smollm2-spread-262k-routers)" >&2
        exit 2 ;;
   esac
 done

@@ -78,6 +78,22 @@ def test_two_processes_under_bf16_autocast_compute_the_experts_by_fsdp2s_mixed_p
     assert_trained_alike(tmp_path / "one", tmp_path / "two", carve)
 
 
+def test_router_only_across_two_processes_trains_the_routers_as_one_process_does(carved, tmp_path):
+    """--router-only under FSDP2 (2 CPU processes, gloo): the frozen experts sharded beside the trained routers in
+    each MaskedMoE's group; the same held-out curve as one process, every expert tensor of both outputs still the
+    carve's, the routers moved alike."""
+    dense, carve = carved
+    ra, rb = one_and_two_processes(dense, carve, tmp_path, ["--tokens", str(4 * 1024), "--tune-generated", "0.25",
+                                                             "--lr", "0.02", "--router-only"])
+    assert ra["experts_trained"] is False and rb["experts_trained"] is False
+    for (_, ka), (_, kb) in zip(ra["holdout_curve"], rb["holdout_curve"]):
+        assert kb == pytest.approx(ka, rel=1e-4)
+    ta, tb, tc = tensors_of(tmp_path / "one"), tensors_of(tmp_path / "two"), tensors_of(carve)
+    assert all(torch.equal(ta[n], tc[n]) and torch.equal(tb[n], tc[n]) for n in tc if ".experts." in n)
+    assert any(not torch.equal(ta[n], tc[n]) for n in tc if ".experts." not in n)
+    assert_trained_alike(tmp_path / "one", tmp_path / "two", carve)
+
+
 def test_teacher_pass_and_sampling_run_in_step_with_the_busiest_rank(carved, tmp_path):
     """Across processes every teacher forward gathers the sharded layers from every rank, so each rank runs as many
     forwards as the busiest one: rank 1 computes only its own batches and pads every round with one-token (teacher

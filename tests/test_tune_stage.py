@@ -390,3 +390,35 @@ def test_layer_matching_runs_the_teacher_in_the_loop_and_brings_every_layer_near
     with pytest.raises(MoeifyError, match="--hidden-weight runs the teacher in the tuning loop"):
         tune_output(dense, copy_output(carve, tmp_path / "pass"), dataclasses.replace(OPTS, hidden_weight=1.0),
                     precompute_targets=True)
+
+
+def test_router_only_trains_the_routers_alone_and_says_so(carved, tmp_path):
+    """train_experts False (`tune --router-only`): the routers learn from the KL and every expert tensor stays
+    bit-identical to the carve's; the report lists the routers alone as tuned, the run records it, and the memory
+    model holds the experts once (no gradients or Adam moments). With --freeze-router nothing is left to train."""
+    from typer.testing import CliRunner
+
+    from moeify.cli.app import app
+    from moeify.formats.families import load_source
+    from moeify.maths.memory import source_tuning_memory
+    from moeify.tuning.output import read_output
+
+    dense, carve = carved
+    out = copy_output(carve, tmp_path / "routers")
+    report = tune_output(dense, out, dataclasses.replace(OPTS, train_experts=False))
+    run = report["tuning"]["runs"][0]
+    assert run["experts_trained"] is False and run["router_trained"] is True
+    assert run["holdout_kl_after"] < 0.995 * run["holdout_kl_before"], run  # routing alone: 2.014 -> 1.998
+    before, after = tensors_of(carve), tensors_of(out)
+    routers = [n for n in after if n.endswith(("gate.weight", "router.weight")) and ".experts." not in n
+               and "shared_expert" not in n]
+    assert routers and all(not torch.equal(after[n], before[n]) for n in routers)
+    assert all(torch.equal(after[n], before[n]) for n in after if ".experts." in n)
+    assert all(e["tuned"] == ["router"] for e in report["layers"] if not e.get("dense"))
+    src, bo = load_source(dense), read_output(carve)
+    full, alone = (source_tuning_memory(src, bo.cfg.experts, train_experts=t) for t in (True, False))
+    ffn = 3 * src.hidden * src.d_ff * src.n_layers
+    assert full.student - alone.student == 3 * 4 * ffn  # gradients and two Adam moments of the FFNs not held
+    res = CliRunner().invoke(app, ["tune", str(dense), str(copy_output(carve, tmp_path / "none")), "--tokens",
+                                   "1024", "--router-only", "--freeze-router"])
+    assert res.exit_code == 2 and "--router-only with --freeze-router leaves nothing to train" in res.output

@@ -79,8 +79,9 @@ def tune_cmd(
                                             "(torchrun): how long a rank waits for the others at a phase or in a "
                                             "collective before every rank stops with an error naming the late "
                                             "rank [default: $MOEIFY_TIMEOUT, else 600]."),
-    router_only: bool = typer.Option(False, "--router-only", help="Upcycled or merged OUT: train the routers alone "
-                                     "(experts frozen)."),
+    router_only: bool = typer.Option(False, "--router-only", help="Train the routers alone, the experts frozen "
+                                     "as they are (a carve's: what routing alone recovers; then tune again "
+                                     "without it for the experts)."),
     aux_loss_coef: Optional[float] = typer.Option(None, "--aux-loss-coef", help="Upcycled or merged OUT: α of the "
                                                   "load-balancing loss [default: OUT's router_aux_loss_coef]."),
     json_dest: Optional[str] = _json_option("The tuned output's report (--dry-run: the estimate)."),
@@ -112,14 +113,14 @@ def tune_cmd(
             step_tokens=step_tokens, device=device, resume=resume, restart=restart, save_every=save_every,
             memory_check=memory_check, offload=bool(offload), timeout=timeout, json_dest=json_dest), dict(
             tune_generated=tune_generated, schedule=schedule, dry_run=dry_run or None))
-    if router_only or aux_loss_coef is not None:
-        _fail(MoeifyError(f"--{'router-only' if router_only else 'aux-loss-coef'} is for an output of moeify upcycle "
-                          f"or merge; {out} is a carve", "a carve's routers and experts tune together: "
-                          "--freeze-router keeps its routers"))
+    if aux_loss_coef is not None:
+        _fail(MoeifyError(f"--aux-loss-coef is for an output of moeify upcycle or merge; {out} is a carve",
+                          "a carve's routers learn from the KL to its dense source, without a balancing loss"))
     given = {"tokens": tokens, "lr": lr, "generated": tune_generated,
              "calib": None if calib is None else tuple(str(f) for f in calib),
              "tune_text": None if tune_text is None else tuple(str(f) for f in tune_text),
-             "train_router": tune_router, "train_attention": tune_attention, "seed": seed, "schedule": schedule,
+             "train_router": tune_router, "train_experts": False if router_only else None,
+             "train_attention": tune_attention, "seed": seed, "schedule": schedule,
              "step_tokens": step_tokens, "hidden_weight": hidden_weight}
     run = dict(resume=resume, restart=restart, device=device, save_every=save_every, memory_check=memory_check,
                offload=offload, timeout=timeout)

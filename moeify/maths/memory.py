@@ -13,7 +13,8 @@ What the tune stage (`moeify/tuning/`) holds while it tunes (moeify.training.dis
   autocast casts them at every call anyway): half of them freed on a GPU, a bf16 copy beside the mapped file on a
   CPU;
 - the student's own tensors: the carved FFNs (gate, up, down at the dense width: the masked student computes every
-  neuron) and routers in float32, their gradients and Adam's two moments (4 copies, sharded across processes), and
+  neuron) and routers in float32, their gradients and Adam's two moments (4 copies, sharded across processes; the
+  FFNs once with --router-only, frozen), and
   the dense layers' FFNs (student copies, frozen; shared with a sharded teacher); with --tune-attention the
   attention projections and norms too (4 copies);
 - the activations autograd keeps for the backward pass of one micro-batch (one window of seq tokens): per token and
@@ -97,11 +98,12 @@ def tuning_memory(*, hidden: int, d_ff: int, n_layers: int, heads: int, kv_heads
                   tied: bool, experts: int, dense_layers: int = 0, seq: int = 512, micro_windows: int = 1,
                   kl_chunk: int = 256, sample_batch: int = 64, bf16: bool = False, train_attention: bool = False,
                   device: str = "cpu", world: int = 1, offload: bool = False,
-                  teacher_inline: bool = False) -> TuneMemory:
+                  teacher_inline: bool = False, train_experts: bool = True) -> TuneMemory:
     """Predicted bytes of each part of a tuning run (see the module docstring), per process: across `world`
     processes (torchrun, moeify.training.parallel) FSDP2 shards the teacher's decoder layers and the student's trainable
     tensors, gradients and Adam moments; every process holds the embeddings, head and norms and one window's
-    activations. offload (a GPU run): the student's state in host memory instead (TuneMemory.host)."""
+    activations. offload (a GPU run): the student's state in host memory instead (TuneMemory.host). train_experts
+    False (--router-only): the carved FFNs are held once, frozen (no gradients or Adam moments of their own)."""
     h, f, L = hidden, d_ff, n_layers
     proj = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2  # q, o, k, v projections
     attn = proj + 2 * h  # and the layer's two norms
@@ -120,9 +122,10 @@ def tuning_memory(*, hidden: int, d_ff: int, n_layers: int, heads: int, kv_heads
             freed = 4 * carved * ffn + (2 * dense_layers * ffn if bf16 else 0)
         else:  # mapped pages stay; bf16 copies of the dense layers' FFNs come beside them
             freed = -(2 * dense_layers * ffn if bf16 else 0)
-    trainable = carved * (ffn + experts * h + 1) + (L * attn if train_attention else 0)
+    trainable = carved * ((ffn if train_experts else 0) + experts * h + 1) + (L * attn if train_attention else 0)
     own_dense = 0 if sharded else 4 * dense_layers * ffn  # a sharded teacher's dense FFNs are shared
-    student = -(-4 * 4 * trainable // world) + own_dense
+    frozen = 0 if train_experts else -(-4 * carved * ffn // world)  # the carved FFNs, weights alone
+    student = -(-4 * 4 * trainable // world) + own_dense + frozen
     host = 0
     if offload and device != "cpu":  # on a CPU the "host" is the device: nothing moves
         host = student - own_dense
@@ -133,7 +136,8 @@ def tuning_memory(*, hidden: int, d_ff: int, n_layers: int, heads: int, kv_heads
     activations = tokens * L * (6 * f + 10 * h) * act_bytes + tokens * h * 4 * 2  # + final hidden and its gradient
     if bf16:  # autocast's bf16 copies of the trainable weights it casts, saved for the backward pass; under FSDP2
         fsdp = sharded or (offload and device != "cpu")  # (across processes, or offloaded) the experts compute in
-        activations += 2 * (L * attn if train_attention else 0) if fsdp else 2 * trainable  # bf16 by its policy
+        cast = trainable + (0 if train_experts else carved * ffn)  # frozen experts are cast (and saved) alike
+        activations += 2 * (L * attn if train_attention else 0) if fsdp else 2 * cast  # bf16 by its policy
     kl = 4 * kl_chunk * vocab * 4 + (vocab * h * 2 if bf16 else 0)  # + the head's bf16 copy for the gradient
     sampling = sample_batch * sampling_bytes_per_window(seq=seq, n_layers=L, kv_heads=kv_heads, head_dim=head_dim,
                                                         hidden=h, vocab=vocab)

@@ -54,6 +54,7 @@ class DistillSettings:
     lr: float = 0.003  # Adam step relative to each expert tensor's RMS (and the router's)
     temp_lr: float = 0.05  # absolute Adam step of each layer's log router scale
     train_router: bool = True
+    train_experts: bool = True  # False: the experts frozen (--router-only: the routers alone learn)
     router_grad: str = "topk"  # topk: the router learns through the chosen experts' weights only; dense: DenseMixer
     train_attention: bool = False  # also each layer's attention projections and its two RMSNorm weights
     attention_lr: float = 0.001  # their Adam step relative to each tensor's RMS: a third of the experts' (at the
@@ -226,7 +227,7 @@ def _trainable(student, settings: DistillSettings, device: torch.device) -> _Tra
     moes = [m for m in student.modules() if isinstance(m, MaskedMoE)]
     for p in student.parameters():
         p.requires_grad_(False)
-    experts = [p for m in moes for p in (m.gate, m.up, m.down)]
+    experts = [p for m in moes for p in (m.gate, m.up, m.down)] if settings.train_experts else []
     routers = [m.router for m in moes] if settings.train_router else []
     kernel = moe_kernel(settings.moe_kernel, device)
     for m in moes:
@@ -462,6 +463,7 @@ class _Distillation:
                 "cpu_seconds": round(self.cpu_before + time.process_time() - self.cpu0 - self.hook_cpu, 1),
                 "seconds_per_1k_tokens": round(1024 * seconds / tokens, 3), "bf16_autocast": bf16,
                 "kl_logits": "bf16" if bf16 and settings.kl_logits == "autocast" else "float32",  # the training KL's
-                "router_trained": settings.train_router, "attention_trained": settings.train_attention,
+                "router_trained": settings.train_router, "experts_trained": settings.train_experts,
+                "attention_trained": settings.train_attention,
                 "batch_tokens": per_step * seq, "micro_windows": settings.micro_windows, "moe_kernel": self.tr.kernel,
                 "compiled": self.compiled, "lr_scale": round(lr_scale(settings), 4)}

@@ -52,8 +52,9 @@ def estimate_run(src: str | Path, out: str | Path, opts: TuneOptions | None, *, 
     inline = teacher_inline(src, bo, opts, seq, dev, 1, bool(offload))  # as the run decides (tune_output)
     step, micro = step_size(src, bo, opts, seq, dev, 1, bool(offload), inline)  # as the run steps (GPU: memory)
     settings = DistillSettings(tokens=steps * step, lr=opts.lr, train_router=opts.train_router,
-                               train_attention=opts.train_attention, evals=1, batch_tokens=step, micro_windows=micro,
-                               show_every=0.0, hidden_weight=opts.hidden_weight)  # every step timed
+                               train_experts=opts.train_experts, train_attention=opts.train_attention, evals=1,
+                               batch_tokens=step, micro_windows=micro, show_every=0.0,  # every step timed
+                               hidden_weight=opts.hidden_weight)
     ctx, bf16 = tuning_autocast(dev, settings.autocast)
     sample_text(teacher, prompts, new, 0, batch=size, keep_hidden=not inline, step_times=stamps, cache="dynamic",
                 bf16=bf16)

@@ -25,6 +25,7 @@ class TuneOptions:
     calib: tuple[str, ...] = ()  # real tuning text; () = the output's own calibration text (its moeify.toml)
     tune_text: tuple[str, ...] = ()  # more real text; () with calib () = the output's own --tune-text
     train_router: bool = True
+    train_experts: bool = True  # False: --router-only (the routers alone learn; the experts stay as carved)
     train_attention: bool = False
     seed: int | None = None  # None: the output's seed, moved on by the number of earlier runs (fresh text each run)
     schedule: str = "continue"  # continue: the step size follows one cosine over the output's earlier tuning tokens
@@ -50,6 +51,8 @@ class TuneOptions:
                 and 0.0 <= self.hidden_weight < float("inf")):
             raise MoeifyError(f"--hidden-weight must be a number >= 0 (the weight of the layer-output term; 0: the "
                               f"logit KL alone), got {self.hidden_weight!r}")
+        if not (self.train_router or self.train_experts or self.train_attention):
+            raise MoeifyError("--router-only with --freeze-router leaves nothing to train", "drop one of them")
         if self.schedule not in SCHEDULES:
             raise MoeifyError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         for f in (*self.calib, *self.tune_text):

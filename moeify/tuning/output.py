@@ -195,7 +195,10 @@ def _check_written(tmp: Path, reader: CheckpointReader) -> None:
         raise RuntimeError("output check failed: " + "; ".join(problems))
 
 
-def _updated_report(base: BaseOutput, run: dict, train_router: bool, train_attention: bool) -> tuple[dict, dict]:
+def _updated_report(base: BaseOutput, run: dict, opts) -> tuple[dict, dict]:
+    """report.json and moeify.toml's tuning record after this run (opts: its TuneOptions): every run kept, each
+    carved layer's list of tuned tensors grown by what this run trained."""
+    train_router, train_attention = opts.train_router, opts.train_attention
     report = copy.deepcopy(base.report)
     report.get("calibration", {}).pop("tuning", None)
     runs = base.runs + [run]
@@ -206,7 +209,8 @@ def _updated_report(base: BaseOutput, run: dict, train_router: bool, train_atten
             if train_attention:
                 entry["attention_tuned"] = True
             continue
-        tuned = set(entry.get("tuned", [])) | {"gate", "up", "down"} | ({"router"} if train_router else set())
+        tuned = set(entry.get("tuned", [])) | ({"gate", "up", "down"} if opts.train_experts else set()) | (
+            {"router"} if train_router else set())
         entry["tuned"] = [t for t in ("gate", "up", "down", "router") if t in tuned]
         if train_router:
             entry["router_scale"] = 1.0  # folded into the trained router rows

@@ -231,7 +231,7 @@ def _tune(src: Path, out: Path, root: Path, run: CheckedRun, par, *, seed: int, 
     teacher_bytes = local_bytes(teacher)
     schedule_from = opts.schedule_from(sum(int(r.get("tokens", 0)) for r in bo.runs))
     settings = DistillSettings(tokens=opts.tokens, lr=opts.lr, train_router=opts.train_router,
-                               train_attention=opts.train_attention, seed=seed, schedule_from=schedule_from,
+                               train_experts=opts.train_experts, train_attention=opts.train_attention, seed=seed, schedule_from=schedule_from,
                                batch_tokens=opts.step_tokens or DistillSettings.batch_tokens,
                                micro_windows=micro_windows, hidden_weight=opts.hidden_weight)
     bf16 = tuning_autocast(dev, settings.autocast)[1]
@@ -281,7 +281,7 @@ def _tune(src: Path, out: Path, root: Path, run: CheckedRun, par, *, seed: int, 
             **({"hidden_weight": opts.hidden_weight} if opts.hidden_weight else {}), **info}
     del teacher
     release_memory()
-    report, toml = _updated_report(bo, info, opts.train_router, opts.train_attention)
+    report, toml = _updated_report(bo, info, opts)
     if par.main:
         _write_output(src, out, root, bo, reader, student, opts.train_attention, report, toml)
     reader.close()  # the other ranks do not wait for rank 0's write (a 70B output takes longer than any timeout)

@@ -105,7 +105,8 @@ def predicted_memory(src: Path, bo: BaseOutput, opts: TuneOptions, seq: int, dev
     return source_tuning_memory(load_source(src), bo.cfg.experts, len(bo.cfg.dense_layers), seq=seq,
                                 micro_windows=settings.micro_windows, kl_chunk=settings.kl_chunk,
                                 sample_batch=sample_batch, bf16=tuning_autocast(dev, settings.autocast)[1],
-                                train_attention=opts.train_attention, device=dev, world=world, offload=offload,
+                                train_attention=opts.train_attention, train_experts=opts.train_experts,
+                                device=dev, world=world, offload=offload,
                                 teacher_inline=inline)
 
 
