@@ -277,8 +277,9 @@ def prepare_upcycle(src: str | Path, *, allow_pickle: bool = False, force: bool 
 def run_upcycle_plan(plan, out: str | Path, *, overwrite: bool = False, progress: Progress | None = None,
                      check_text: Sequence[str | Path] | None = None, check_tokens: int = 512) -> dict:
     """Write the upcycle a prepared plan describes, checked against the source; returns report.json. The KL of the
-    model as written is measured on check_text (default: the bundled sample; a source without a tokenizer: random
-    tokens, unless check_text is given). The text is read first; it is tokenized on the check's thread as the
+    model as written is measured on check_text (default: the bundled sample; random tokens for a source without a
+    tokenizer, and for an output that is the exact construction as written, whose KL its logit difference bounds
+    and whose exactness any tokens show: no tokenizer is loaded). The text is read first; it is tokenized on the check's thread as the
     writing starts, and a tokenizer or text that fails stops the writer there, leaving nothing."""
     from functools import partial
 
@@ -287,7 +288,8 @@ def run_upcycle_plan(plan, out: str | Path, *, overwrite: bool = False, progress
     from .upcycling.upcycle import run_upcycle
 
     ids = None
-    if check_text or any((plan.src.path / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+    if check_text or not plan.exact and any((plan.src.path / f).is_file() for f in ("tokenizer.json",
+                                                                                    "tokenizer.model")):
         text = read_texts(list(check_text) if check_text else [BUNDLED_CALIB])
         ids = partial(first_windows, plan.src.path, text, check_tokens, "--check-text")
     return run_upcycle(plan, out, overwrite=overwrite, progress=progress, check_ids=ids)

@@ -50,7 +50,9 @@ def test_upcycle_reproduces_dense_logits_under_the_class_routing(tmp_path, case)
     assert cfg.get("norm_topk_prob", True) is True  # renormalised top-k: whole copies sum to the FFN
     diff = max_logit_diff(src, tmp_path / "moe", seq=24)  # transformers, its own top-k routing (not all experts)
     assert diff <= EXACT, f"{case}: max |logit diff| {diff:.3g}"
-    assert report["check"]["max_logit_diff"] <= EXACT and report["check"]["kl_to_source"] == 0.0
+    # exact as written: its KL measured on random tokens is float32's rounding (|KL| < 1e-6; printed "< 1e-8")
+    assert report["check"]["max_logit_diff"] <= EXACT and abs(report["check"]["kl_to_source"]) < 1e-6
+    assert report["check"]["tokens_from"] == "random"
     result = verify_checkpoint(tmp_path / "moe", src)
     assert result.ok and result.max_logit_diff <= EXACT, result.problems
 
@@ -98,8 +100,8 @@ def test_the_check_is_one_pass_over_the_text_and_a_copy_of_the_source_needs_one_
                                                                                       monkeypatch):
     """The end-of-run check streams the source, the model as written and (when the two differ) the exact construction
     side by side, a decoder layer of each at a time, once, on the same tokens: the KL and the exactness come from one
-    pass. A merge of the base with itself is the exact construction as written: one MoE stack, on one window of the
-    text (its KL is bounded by its logit difference)."""
+    pass. A merge of the base with itself is the exact construction as written: one MoE stack, on random tokens (its
+    KL is bounded by its logit difference)."""
     import moeify.upcycling.check as check_module
 
     passes, real = [], check_module.stream_hidden
@@ -117,8 +119,10 @@ def test_the_check_is_one_pass_over_the_text_and_a_copy_of_the_source_needs_one_
     passes.clear()
     merged = moeify.merge([src, src, src], tmp_path / "merged", top_k=2)["check"]
     assert [n for n, _ in passes] == [2] and merged["exact_model"] == "as written: every expert the base's FFN"
-    assert merged["max_logit_diff"] <= EXACT and merged["kl_to_source"] < 1e-8
-    assert merged["tokens"] == merged["kl_text_tokens"] == 64 < check["tokens"]  # exact as written: one window
+    assert merged["max_logit_diff"] <= EXACT and abs(merged["kl_to_source"]) < 1e-6  # float32 rounding
+    # exact as written: 64 random tokens show both numbers (no tokenizer loaded), the KL measured on them
+    assert merged["tokens_from"] == "random" and merged["tokens"] == 64 < check["tokens"]
+    assert "kl_text_tokens" not in merged
 
 
 def test_a_large_output_is_checked_from_regenerated_experts_with_the_same_result(tmp_path, monkeypatch):

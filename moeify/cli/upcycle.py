@@ -127,7 +127,8 @@ def upcycle_cmd(
                                                "layout a target cannot."),
     force: bool = typer.Option(False, "--force", help="Write a layout that a --target engine cannot run."),
     check_text: Optional[list[Path]] = typer.Option(None, "--check-text", help="Text for the KL to the source of "
-                                                    "the model as written [default: the bundled sample]."),
+                                                    "the model as written [default: the bundled sample; an "
+                                                    "exact output: 64 random tokens]."),
     check_tokens: int = typer.Option(512, min=64, help="Tokens of --check-text scored."),
     allow_pickle: bool = typer.Option(False, help="Read pytorch_model*.bin weights (torch.load(weights_only=True))."),
     overwrite: bool = typer.Option(False, help="Replace OUT if it exists."),
@@ -210,7 +211,8 @@ def merge_cmd(
     max_shard_size: Optional[str] = typer.Option(None, help="Max bytes per output shard [default: 5GB]."),
     seed: int = typer.Option(0, help="Seed of random router rows."),
     check_text: Optional[list[Path]] = typer.Option(None, "--check-text", help="Text for the KL of the merge to the "
-                                                    "base [default: the bundled sample]."),
+                                                    "base [default: the bundled sample; a merge that computes the "
+                                                    "base as written: 64 random tokens]."),
     allow_pickle: bool = typer.Option(False, help="Read pytorch_model*.bin weights (torch.load(weights_only=True))."),
     overwrite: bool = typer.Option(False, help="Replace OUT if it exists."),
     json_dest: Optional[str] = json_option("The report (OUT/report.json)."),

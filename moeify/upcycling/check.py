@@ -26,13 +26,13 @@ READ_BACK_BYTES = 16 << 30  # outputs up to this size are checked from the files
 def check_output(plan, out_dir: Path, regenerate: Callable[..., Experts], progress: Progress | None = None,
                  text_ids: torch.Tensor | None = None, out_reader: CheckpointReader | None = None) -> dict:
     """The source and the written MoE streamed one decoder layer at a time (moeify.evaluation.layerwise), in one
-    pass over `text_ids` (else 64 random tokens): the model as written scored by its KL to the source, and the exact
-    construction (the model as written when it is one; else the copies before symmetry breaking, a merge's every copy
-    the base's FFN, made again) must give the source's logits on the same tokens (RuntimeError otherwise). When the
-    model as written is the exact construction, its KL is bounded by its logit difference: the first window of the
-    text is checked, not every one. plan: the
-    UpcyclePlan; regenerate(broken, base_only=False): each layer's experts made again, as the output holds them.
-    Both checkpoints are read without the NaN/Inf scan: this process read every source tensor through it while
+    pass over `text_ids` (else 64 random tokens, as moeify.api.run_upcycle_plan asks for an output exact as written):
+    the model as written scored by its KL to the source, and the exact construction (the model as written when it
+    is one; else the copies before symmetry breaking, a merge's every copy the base's FFN, made again) must give the
+    source's logits on the same tokens (RuntimeError otherwise). When the model as written is the exact
+    construction, its KL is bounded by its logit difference: of a text given, the first window is checked, not every
+    one. plan: the UpcyclePlan; regenerate(broken, base_only=False): each layer's experts made again, as the output
+    holds them. Both checkpoints are read without the NaN/Inf scan: this process read every source tensor through it while
     writing, and wrote the output from them. out_reader: the output's reader (a WrittenReader while it is being
     written: the check a layer behind the writer); else one is opened on out_dir's files."""
     src = plan.src
@@ -54,8 +54,7 @@ def check_output(plan, out_dir: Path, regenerate: Callable[..., Experts], progre
     stacks = [dense, written] + ([exact] if exact is not None and exact is not written else [])
     try:
         finals = stream_hidden(stacks, ids, progress)
-        found = compare_to_reference(dense, finals[0], list(zip(stacks[1:], finals[1:])),
-                                     kl=not (exact is written and text_ids is None))  # else identical by construction
+        found = compare_to_reference(dense, finals[0], list(zip(stacks[1:], finals[1:])))
         result = {"tokens": int(ids.numel()), "tokens_from": "text" if text_ids is not None else "random",
                   "experts_read_back": from_files, "exact_model": None, "kl_to_source": found[0].get("kl", 0.0)}
         if text_ids is not None:
