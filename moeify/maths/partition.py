@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from scipy.optimize import linear_sum_assignment
 
 # Above this many neurons, the repeated-column linear_sum_assignment (O(n^3)) is replaced by an exact
 # min-cost-flow solver with the same optimum (see balanced_assign); tests check the two agree.
@@ -123,6 +122,8 @@ def balanced_assign(cost: np.ndarray, size: int, prices: np.ndarray | None = Non
     if prices is not None:  # a constant per cluster adds size * sum(prices) to every balanced assignment's cost
         cost = cost - prices[None, :]
     if n <= LSA_MAX_NEURONS:
+        from scipy.optimize import linear_sum_assignment  # here: scipy's import (~0.4 s) only where it is used
+
         rows, cols = linear_sum_assignment(np.repeat(cost, size, axis=1))
         labels = np.empty(n, dtype=np.int64)
         labels[rows] = cols // size
