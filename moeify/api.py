@@ -109,7 +109,8 @@ def tune(src: str | Path, out: str | Path, tokens: int | None = None, *, resume:
     """Recovery tuning of the moeify output `out` towards its dense source `src` (a folder or a Hub id) on `tokens`
     fresh tokens; written back to `out` all or nothing. Returns the new report.json. resume: continue an interrupted
     run (its own settings; options given must agree). options: lr, generated, calib, tune_text, train_router,
-    train_experts, train_attention, seed, schedule, step_tokens, hidden_weight (moeify.tuning.TuneOptions). Under torchrun each process calls it."""
+    train_experts, train_attention, seed, schedule, step_tokens, hidden_weight (moeify.tuning.TuneOptions). Under
+    torchrun each process calls it."""
     from .tuning import TuneOptions, tune_output
 
     given = {k: v for k, v in options.items() if v is not None}
@@ -279,8 +280,9 @@ def run_upcycle_plan(plan, out: str | Path, *, overwrite: bool = False, progress
     """Write the upcycle a prepared plan describes, checked against the source; returns report.json. The KL of the
     model as written is measured on check_text (default: the bundled sample; random tokens for a source without a
     tokenizer, and for an output that is the exact construction as written, whose KL its logit difference bounds
-    and whose exactness any tokens show: no tokenizer is loaded). The text is read first; it is tokenized on the check's thread as the
-    writing starts, and a tokenizer or text that fails stops the writer there, leaving nothing."""
+    and whose exactness any tokens show: no tokenizer is loaded). The text is read first; it is tokenized on the
+    check's thread as the writing starts, and a tokenizer or text that fails stops the writer there, leaving
+    nothing."""
     from functools import partial
 
     from .formats.text import read_texts, first_windows

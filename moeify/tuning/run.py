@@ -231,7 +231,8 @@ def _tune(src: Path, out: Path, root: Path, run: CheckedRun, par, *, seed: int, 
     teacher_bytes = local_bytes(teacher)
     schedule_from = opts.schedule_from(sum(int(r.get("tokens", 0)) for r in bo.runs))
     settings = DistillSettings(tokens=opts.tokens, lr=opts.lr, train_router=opts.train_router,
-                               train_experts=opts.train_experts, train_attention=opts.train_attention, seed=seed, schedule_from=schedule_from,
+                               train_experts=opts.train_experts, train_attention=opts.train_attention, seed=seed,
+                               schedule_from=schedule_from,
                                batch_tokens=opts.step_tokens or DistillSettings.batch_tokens,
                                micro_windows=micro_windows, hidden_weight=opts.hidden_weight)
     bf16 = tuning_autocast(dev, settings.autocast)[1]

@@ -32,8 +32,8 @@ def check_output(plan, out_dir: Path, regenerate: Callable[..., Experts], progre
     source's logits on the same tokens (RuntimeError otherwise). When the model as written is the exact
     construction, its KL is bounded by its logit difference: of a text given, the first window is checked, not every
     one. plan: the UpcyclePlan; regenerate(broken, base_only=False): each layer's experts made again, as the output
-    holds them. Both checkpoints are read without the NaN/Inf scan: this process read every source tensor through it while
-    writing, and wrote the output from them. out_reader: the output's reader (a WrittenReader while it is being
+    holds them. Both checkpoints are read without the NaN/Inf scan: this process read every source tensor through it
+    while writing, and wrote the output from them. out_reader: the output's reader (a WrittenReader while it is being
     written: the check a layer behind the writer); else one is opened on out_dir's files."""
     src = plan.src
     src_reader = CheckpointReader(src.path, scan_nonfinite=False)
