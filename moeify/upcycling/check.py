@@ -56,7 +56,7 @@ def check_output(plan, out_dir: Path, regenerate: Callable[..., Experts], progre
         finals = stream_hidden(stacks, ids, progress)
         found = compare_to_reference(dense, finals[0], list(zip(stacks[1:], finals[1:])))
         result = {"tokens": int(ids.numel()), "tokens_from": "text" if text_ids is not None else "random",
-                  "experts_read_back": from_files, "exact_model": None, "kl_to_source": found[0].get("kl", 0.0)}
+                  "experts_read_back": from_files, "exact_model": None, "kl_to_source": found[0]["kl"]}
         if text_ids is not None:
             result["kl_text_tokens"] = int(ids.numel())
         if exact is not None:
