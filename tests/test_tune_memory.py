@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 
@@ -48,6 +49,51 @@ def test_memory_model_counts_what_tuning_holds(carved):
     assert on_gpu.teacher_freed == ffn_bytes  # the teacher pass frees them before tuning, on a GPU
     assert on_gpu.tuning_peak == (on_gpu.teacher - ffn_bytes + on_gpu.student + on_gpu.activations + on_gpu.kl)
     assert model.teacher_freed == 0  # on a CPU they stay mapped from the safetensors file
+
+
+def test_the_memory_model_counts_what_layer_matching_holds(carved):
+    """--hidden-weight: the teacher's layer outputs (float32 under bf16 autocast: the residual stream stays float32)
+    and the errors against them that autograd saves for the backward pass, measured by saved_tensors_hooks on one
+    window; the model's layer_match term is those bytes, and a GPU step's forward is sized with it."""
+    from moeify.formats.families import load_source
+    from moeify.maths.memory import source_tuning_memory
+    from moeify.training.hidden import LayerOutputs, layer_match
+    from moeify.tuning import read_output
+    from moeify.tuning.sizing import predicted_memory
+    from transformers import AutoModelForCausalLM
+
+    dense, carve = carved
+    src = load_source(dense)
+    teacher = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
+    student = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32)
+    seq = 64
+    ids = torch.randint(0, src.vocab, (1, seq))
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        saved[t.data_ptr()] = t.numel() * t.element_size()
+        return t
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.no_grad(), LayerOutputs(teacher) as want:
+            teacher(input_ids=ids)
+        with LayerOutputs(student) as got:
+            student(input_ids=ids)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = layer_match(got.outputs, want.outputs)
+    held = sum(t.numel() * t.element_size() for t in want.outputs)
+    per_layer = seq * src.hidden * 4
+    assert all(t.dtype == torch.float32 for t in want.outputs) and held == src.n_layers * per_layer
+    errors = sum(b for b in saved.values() if b == per_layer)  # the (1, seq, hidden) float32 errors
+    assert errors == src.n_layers * per_layer and sum(saved.values()) - errors <= src.n_layers * seq * 8  # + norms
+    loss.backward()
+    kw = dict(seq=seq, bf16=True, teacher_inline=True)
+    plain, matched = (source_tuning_memory(src, 4, layer_match=m, **kw) for m in (False, True))
+    assert matched.activations - plain.activations == held + errors
+    bo = read_output(carve)
+    opts = TuneOptions(tokens=1 << 20)
+    assert (predicted_memory(dense, bo, dataclasses.replace(opts, hidden_weight=1.0), seq, "cuda").activations
+            - predicted_memory(dense, bo, opts, seq, "cuda", inline=True).activations) == held + errors
 
 
 def test_offloaded_tuning_trains_what_plain_tuning_trains_and_resumes(carved, tmp_path):

@@ -25,6 +25,8 @@ What the tune stage (`moeify/tuning/`) holds while it tunes (moeify.training.dis
   compute in bf16 by FSDP2's MixedPrecisionPolicy instead (moeify.training.parallel.Parallel.shard_moe: each layer's bf16
   weights gathered for its forward and freed after it), so only trained attention is copied: autocast's copies
   would outlive FSDP2's resharding, the whole student on every process;
+- with --hidden-weight, the teacher's output of every layer (float32: the residual stream stays float32 under
+  autocast) and the error against it that autograd saves for the layer-match term (moeify.training.hidden);
 - the KL of one chunk: four (chunk, vocabulary) float32 tensors at once (logits, both log-softmaxes, the teacher's
   probabilities), and under bf16 autocast the output head's bf16 copy the gradient product uses;
 - the sampling of tuning text, before the student exists: the teacher, its KV cache for a batch of windows (float32:
@@ -98,12 +100,14 @@ def tuning_memory(*, hidden: int, d_ff: int, n_layers: int, heads: int, kv_heads
                   tied: bool, experts: int, dense_layers: int = 0, seq: int = 512, micro_windows: int = 1,
                   kl_chunk: int = 256, sample_batch: int = 64, bf16: bool = False, train_attention: bool = False,
                   device: str = "cpu", world: int = 1, offload: bool = False,
-                  teacher_inline: bool = False, train_experts: bool = True) -> TuneMemory:
+                  teacher_inline: bool = False, train_experts: bool = True, layer_match: bool = False) -> TuneMemory:
     """Predicted bytes of each part of a tuning run (see the module docstring), per process: across `world`
     processes (torchrun, moeify.training.parallel) FSDP2 shards the teacher's decoder layers and the student's trainable
     tensors, gradients and Adam moments; every process holds the embeddings, head and norms and one window's
     activations. offload (a GPU run): the student's state in host memory instead (TuneMemory.host). train_experts
-    False (--router-only): the carved FFNs are held once, frozen (no gradients or Adam moments of their own)."""
+    False (--router-only): the carved FFNs are held once, frozen (no gradients or Adam moments of their own).
+    layer_match (--hidden-weight): every layer's output of the teacher (float32) and of the error against it that
+    autograd saves (moeify.training.hidden.layer_match), 8 bytes a token, layer and hidden unit, held at once."""
     h, f, L = hidden, d_ff, n_layers
     proj = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2  # q, o, k, v projections
     attn = proj + 2 * h  # and the layer's two norms
@@ -134,6 +138,8 @@ def tuning_memory(*, hidden: int, d_ff: int, n_layers: int, heads: int, kv_heads
     act_bytes = 2 if bf16 else 4
     tokens = seq * micro_windows
     activations = tokens * L * (6 * f + 10 * h) * act_bytes + tokens * h * 4 * 2  # + final hidden and its gradient
+    if layer_match:  # the teacher's layer outputs until the loss, the errors' float32 copies until the backward
+        activations += tokens * L * h * 4 * 2
     if bf16:  # autocast's bf16 copies of the trainable weights it casts, saved for the backward pass; under FSDP2
         fsdp = sharded or (offload and device != "cpu")  # (across processes, or offloaded) the experts compute in
         cast = trainable + (0 if train_experts else carved * ffn)  # frozen experts are cast (and saved) alike

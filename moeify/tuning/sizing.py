@@ -107,7 +107,7 @@ def predicted_memory(src: Path, bo: BaseOutput, opts: TuneOptions, seq: int, dev
                                 sample_batch=sample_batch, bf16=tuning_autocast(dev, settings.autocast)[1],
                                 train_attention=opts.train_attention, train_experts=opts.train_experts,
                                 device=dev, world=world, offload=offload,
-                                teacher_inline=inline)
+                                teacher_inline=inline or bool(opts.hidden_weight), layer_match=bool(opts.hidden_weight))
 
 
 def peak_memory(dev: str) -> tuple[int, str]:
