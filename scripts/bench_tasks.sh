@@ -48,6 +48,9 @@
 #                  (~40 min of tuning + ~10 min of tasks once the plain tune is scored)
 #   smollm2-spread-262k-routers  lever 4's "routers alone first": the same tune with the experts frozen
 #                  (--router-only: what routing alone recovers), beside the plain tune (~30 min + ~10 min)
+#   qwen05-spread-262k  the 0.5B's spread 50% preset tuned on its 262,144 tokens, beside it (~2 h of sampling and
+#                  tuning + ~20 min of tasks, its dense and carve answers cached by qwen05-contribution)
+#   qwen05-spread-262k-hidden  lever 4's layer matching on the 0.5B, beside the plain tune (~2 h 20 min + ~20 min)
 # Run it alone (nice is fine): tuning and scoring share nothing with other jobs but the cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -228,24 +231,25 @@ for step in ${*:-smollm2-262k}; do
       .venv/bin/python scripts/bench_tasks.py models/$m $o-spread $o-chat-spread --task-data ../shared/tasks \
         --limit 1000 --dtype bfloat16 --max-tokens 4096 --out results/quality/tasks-$step-1000.json ;;
     smollm2-spread-262k|smollm2-spread-262k-chat|smollm2-spread-262k-hidden|smollm2-spread-262k-attention|\
-    smollm2-spread-262k-routers)  # the spread 50% preset tuned on the preset's 262,144 tokens (half the bundled
-      # sample, half sampled by the dense model), or with the conversations as its tuning text, or with each layer's
-      # output matched as well, or with attention and norms trained too, or its routers alone; the last three beside
-      # the plain tune in the same run (a machine moves retention by up to 3 points: compare within one run)
-      conv=out/levers/conversations-smollm2-135m.txt
-      [ -f $conv ] || .venv/bin/python scripts/chat_text.py models/smollm2-135m $conv --tokens 12288
-      carve models/smollm2-135m out/smollm2-a50-spread 50
+    smollm2-spread-262k-routers|qwen05-spread-262k|qwen05-spread-262k-hidden)  # the spread 50% preset tuned on the
+      # preset's 262,144 tokens (half the bundled sample, half sampled by the dense model), or with the conversations
+      # as its tuning text, or with each layer's output matched as well, or with attention and norms trained too, or
+      # its routers alone; the last three beside the plain tune in the same run (a machine moves retention by up to 3
+      # points: compare within one run)
+      if [ ${step%%-*} = smollm2 ]; then m=smollm2-135m; else m=qwen2.5-coder-0.5b; fi
+      o=out/${step%%-*}-a50
+      carve models/$m $o-spread 50
       outs=()
-      if [ $step != smollm2-spread-262k ] && [ $step != smollm2-spread-262k-chat ]; then
-        tuned models/smollm2-135m out/smollm2-a50-spread out/smollm2-a50-spread-262k 262144
-        outs=(out/smollm2-a50-spread-262k)
-      fi
-      case $step in smollm2-spread-262k) flags=() ;; *-chat) flags=(--tune-text $conv) ;;
+      case $step in *-262k|*-chat) ;; *)
+        tuned models/$m $o-spread $o-spread-262k 262144
+        outs=($o-spread-262k) ;;
+      esac
+      case $step in *-262k) flags=() ;; *-chat) flags=(--tune-text out/levers/conversations-$m.txt)
+          [ -f ${flags[1]} ] || .venv/bin/python scripts/chat_text.py models/$m ${flags[1]} --tokens 12288 ;;
         *-hidden) flags=(--hidden-weight 16) ;; *-attention) flags=(--tune-attention) ;; *) flags=(--router-only) ;;
       esac
-      tuned models/smollm2-135m out/smollm2-a50-spread out/smollm2-a50-${step#smollm2-} 262144 "${flags[@]}"
-      .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/smollm2-a50-spread "${outs[@]}" \
-        out/smollm2-a50-${step#smollm2-} \
+      tuned models/$m $o-spread $o-${step#*-} 262144 "${flags[@]}"
+      .venv/bin/python scripts/bench_tasks.py models/$m $o-spread "${outs[@]}" $o-${step#*-} \
         --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
         --out results/quality/tasks-$step-1000.json ;;
     *) echo "bench_tasks.sh: unknown step $step (smollm2-262k, qwen05-free, qwen05-262k, smollm2-1000," \
@@ -253,7 +257,7 @@ for step in ${*:-smollm2-262k}; do
          "qwen05-active75, qwen05-active25, smollm2-chat, qwen05-chat, smollm2-genres, smollm2-spread, qwen05-spread," \
          "smollm2-spread-presets, qwen05-spread-active75, smollm2-chat-spread, qwen05-chat-spread," \
          "smollm2-spread-262k, smollm2-spread-262k-chat, smollm2-spread-262k-hidden," \
-         "smollm2-spread-262k-attention, smollm2-spread-262k-routers)" >&2
+         "smollm2-spread-262k-attention, smollm2-spread-262k-routers, qwen05-spread-262k, qwen05-spread-262k-hidden)" >&2
        exit 2 ;;
   esac
 done
