@@ -35,6 +35,7 @@
 #   smollm2-chat-spread  lever 3 on top of the spread windows: half the bundled sample spread, half the model's own
 #                  conversations (the smollm2-chat ones), beside the spread preset (~3 min carving + ~10 min)
 #   qwen05-chat-spread  the same on the 0.5B (~12 min carving + ~30 min of tasks)
+#   smollm2-spread-contribution  lever 2 on SmolLM2's spread preset, as qwen05-contribution (~4 + ~10 min)
 #   smollm2-spread-262k  the spread 50% preset tuned on its 262,144 tokens, beside it (~50 min + ~10 min)
 #   smollm2-spread-262k-chat  the same tune with the conversations as its --tune-text (~50 min + ~10 min)
 #   qwen05-contribution  lever 2 on the second size: the 0.5B's 50% preset (spread windows, as it carves now) with
@@ -106,13 +107,15 @@ for step in ${*:-smollm2-262k}; do
       .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/smollm2-a50 out/smollm2-a50-seed1 \
         out/smollm2-a50-contribution --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
         --out results/quality/tasks-smollm2-contribution-1000.json ;;
-    qwen05-contribution)  # the shared expert by contribution on the 0.5B, against the preset as it carves now
-      carve models/qwen2.5-coder-0.5b out/qwen05-a50-spread 50
+    qwen05-contribution|smollm2-spread-contribution)  # the shared expert by contribution, against the preset as it
+      # carves now (spread windows)
+      if [ ${step%%-*} = smollm2 ]; then m=smollm2-135m; else m=qwen2.5-coder-0.5b; fi
+      o=out/${step%%-*}-a50-spread
+      carve models/$m $o 50
       lever active-50 shared_by contribution
-      carve models/qwen2.5-coder-0.5b out/qwen05-a50-spread-contribution out/levers/active-50-shared_by-contribution
-      .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/qwen05-a50-spread \
-        out/qwen05-a50-spread-contribution --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
-        --out results/quality/tasks-qwen05-contribution-1000.json ;;
+      carve models/$m $o-contribution out/levers/active-50-shared_by-contribution
+      .venv/bin/python scripts/bench_tasks.py models/$m $o $o-contribution --task-data ../shared/tasks --limit 1000 \
+        --dtype bfloat16 --max-tokens 4096 --out results/quality/tasks-$step-1000.json ;;
     smollm2-active75)  # a 75% layout (half of d_ff shared + top-12 of 24 routed on SmolLM2), beside the presets
       sed -e 's/^active = 0.5$/active = 0.75/' -e 's/^shared = 0.25$/shared = 0.5/' configs/active-50.toml \
         > out/levers/active-75.toml
@@ -253,7 +256,8 @@ for step in ${*:-smollm2-262k}; do
         --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
         --out results/quality/tasks-$step-1000.json ;;
     *) echo "bench_tasks.sh: unknown step $step (smollm2-262k, qwen05-free, qwen05-262k, smollm2-1000," \
-         "smollm2-contribution, qwen05-contribution, smollm2-active75, smollm2-dense-layers, qwen05-1000, qwen05-dense-layers," \
+         "smollm2-contribution, qwen05-contribution, smollm2-spread-contribution, smollm2-active75, smollm2-dense-layers," \
+         "qwen05-1000, qwen05-dense-layers," \
          "qwen05-active75, qwen05-active25, smollm2-chat, qwen05-chat, smollm2-genres, smollm2-spread, qwen05-spread," \
          "smollm2-spread-presets, qwen05-spread-active75, smollm2-chat-spread, qwen05-chat-spread," \
          "smollm2-spread-262k, smollm2-spread-262k-chat, smollm2-spread-262k-hidden," \
