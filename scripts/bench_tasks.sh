@@ -32,6 +32,7 @@
 #   qwen05-spread  the same on the 0.5B (~12 min carving + ~30 min of tasks)
 #   smollm2-spread-presets  all three presets calibrated spread (~6 min carving + ~20 min of tasks)
 #   qwen05-spread-active75  the 0.5B's active-75 calibrated spread beside its spread 50% (~11 min + ~25 min)
+#   qwen05-spread-active25  the same for the 0.5B's active-25 (~11 min + ~20 min)
 #   smollm2-chat-spread  lever 3 on top of the spread windows: half the bundled sample spread, half the model's own
 #                  conversations (the smollm2-chat ones), beside the spread preset (~3 min carving + ~10 min)
 #   qwen05-chat-spread  the same on the 0.5B (~12 min carving + ~30 min of tasks)
@@ -213,12 +214,14 @@ for step in ${*:-smollm2-262k}; do
       .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/smollm2-a50-spread out/smollm2-a75-spread \
         out/smollm2-a25-spread --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
         --out results/quality/tasks-smollm2-spread-presets-1000.json ;;
-    qwen05-spread-active75)  # the 0.5B's active-75 preset calibrated spread, beside the spread 50% one
+    qwen05-spread-active75|qwen05-spread-active25)  # the 0.5B's active-75 or active-25 preset calibrated spread,
+      # beside the spread 50% one
+      p=${step##*active}
       carve models/qwen2.5-coder-0.5b out/qwen05-a50-spread 50
-      carve models/qwen2.5-coder-0.5b out/qwen05-a75-spread 75
-      .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/qwen05-a50-spread out/qwen05-a75-spread \
+      carve models/qwen2.5-coder-0.5b out/qwen05-a$p-spread $p
+      .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/qwen05-a50-spread out/qwen05-a$p-spread \
         --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
-        --out results/quality/tasks-qwen05-spread-active75-1000.json ;;
+        --out results/quality/tasks-$step-1000.json ;;
     smollm2-chat-spread|qwen05-chat-spread)  # lever 3 on top of the spread windows: the calibration text half the
       # bundled sample (512-token windows spread over it, as the presets read it) and half the conversations the model
       # wrote itself from its chat template (the ones smollm2-chat / qwen05-chat used: 12,877 / 14,930 tokens), so
@@ -259,7 +262,7 @@ for step in ${*:-smollm2-262k}; do
          "smollm2-contribution, qwen05-contribution, smollm2-spread-contribution, smollm2-active75, smollm2-dense-layers," \
          "qwen05-1000, qwen05-dense-layers," \
          "qwen05-active75, qwen05-active25, smollm2-chat, qwen05-chat, smollm2-genres, smollm2-spread, qwen05-spread," \
-         "smollm2-spread-presets, qwen05-spread-active75, smollm2-chat-spread, qwen05-chat-spread," \
+         "smollm2-spread-presets, qwen05-spread-active75, qwen05-spread-active25, smollm2-chat-spread, qwen05-chat-spread," \
          "smollm2-spread-262k, smollm2-spread-262k-chat, smollm2-spread-262k-hidden," \
          "smollm2-spread-262k-attention, smollm2-spread-262k-routers, qwen05-spread-262k, qwen05-spread-262k-hidden)" >&2
        exit 2 ;;
