@@ -48,6 +48,10 @@
 #   smollm2-spread-262k-attention  lever 4's "attention at a low rate": the same tune with attention projections
 #                  and norms trained too (--tune-attention: a third of the experts' step), beside the plain tune
 #                  (~40 min of tuning + ~10 min of tasks once the plain tune is scored)
+#   smollm2-spread-262k-prose, qwen05-spread-262k-prose  lever 3 in the tune: the same tune with real text the
+#                  bundled sample does not hold added (War and Peace's calibration slice, half of it past the sample's,
+#                  and WikiText-2's train.txt, ~300,000 tokens; never the valid.txt the perplexity tables read), so no
+#                  real window repeats much, beside the plain tune (0.5B: ~20 + ~60 min of tuning, ~20 min of tasks)
 #   smollm2-spread-262k-routers  lever 4's "routers alone first": the same tune with the experts frozen
 #                  (--router-only: what routing alone recovers), beside the plain tune (~30 min + ~10 min)
 #   qwen05-spread-262k  the 0.5B's spread 50% preset tuned on its 262,144 tokens, beside it (~2 h of sampling and
@@ -237,9 +241,10 @@ for step in ${*:-smollm2-262k}; do
       .venv/bin/python scripts/bench_tasks.py models/$m $o-spread $o-chat-spread --task-data ../shared/tasks \
         --limit 1000 --dtype bfloat16 --max-tokens 4096 --out results/quality/tasks-$step-1000.json ;;
     smollm2-spread-262k|smollm2-spread-262k-chat|smollm2-spread-262k-hidden|smollm2-spread-262k-attention|\
-    smollm2-spread-262k-routers|qwen05-spread-262k|qwen05-spread-262k-hidden)  # the spread 50% preset tuned on the
-      # preset's 262,144 tokens (half the bundled sample, half sampled by the dense model), or with the conversations
-      # as its tuning text, or with each layer's output matched as well, or with attention and norms trained too, or
+    smollm2-spread-262k-routers|qwen05-spread-262k|qwen05-spread-262k-hidden|smollm2-spread-262k-prose|\
+    qwen05-spread-262k-prose)  # the spread 50% preset tuned on the
+      # preset's 262,144 tokens (the bundled sample and 131,072 tokens sampled by the dense model), or with the
+      # conversations or more real text as its tuning text, or with each layer's output matched as well, or with attention and norms trained too, or
       # its routers alone; the last three beside the plain tune in the same run (a machine moves retention by up to 3
       # points: compare within one run)
       if [ ${step%%-*} = smollm2 ]; then m=smollm2-135m; else m=qwen2.5-coder-0.5b; fi
@@ -252,7 +257,10 @@ for step in ${*:-smollm2-262k}; do
       esac
       case $step in *-262k) flags=() ;; *-chat) flags=(--tune-text out/levers/conversations-$m.txt)
           [ -f ${flags[1]} ] || .venv/bin/python scripts/chat_text.py models/$m ${flags[1]} --tokens 12288 ;;
-        *-hidden) flags=(--hidden-weight 16) ;; *-attention) flags=(--tune-attention) ;; *) flags=(--router-only) ;;
+        *-hidden) flags=(--hidden-weight 16) ;; *-attention) flags=(--tune-attention) ;;
+        *-prose) flags=(--tune-text ../shared/corpora/war_and_peace/calib_train_200k.txt
+          --tune-text ../shared/corpora/wikitext2/train.txt) ;;
+        *) flags=(--router-only) ;;
       esac
       tuned models/$m $o-spread $o-${step#*-} 262144 "${flags[@]}"
       .venv/bin/python scripts/bench_tasks.py models/$m $o-spread "${outs[@]}" $o-${step#*-} \
@@ -264,7 +272,8 @@ for step in ${*:-smollm2-262k}; do
          "qwen05-active75, qwen05-active25, smollm2-chat, qwen05-chat, smollm2-genres, smollm2-spread, qwen05-spread," \
          "smollm2-spread-presets, qwen05-spread-active75, qwen05-spread-active25, smollm2-chat-spread, qwen05-chat-spread," \
          "smollm2-spread-262k, smollm2-spread-262k-chat, smollm2-spread-262k-hidden," \
-         "smollm2-spread-262k-attention, smollm2-spread-262k-routers, qwen05-spread-262k, qwen05-spread-262k-hidden)" >&2
+         "smollm2-spread-262k-attention, smollm2-spread-262k-routers, qwen05-spread-262k, qwen05-spread-262k-hidden," \
+         "smollm2-spread-262k-prose, qwen05-spread-262k-prose)" >&2
        exit 2 ;;
   esac
 done
