@@ -242,11 +242,11 @@ for step in ${*:-smollm2-262k}; do
         --limit 1000 --dtype bfloat16 --max-tokens 4096 --out results/quality/tasks-$step-1000.json ;;
     smollm2-spread-262k|smollm2-spread-262k-chat|smollm2-spread-262k-hidden|smollm2-spread-262k-attention|\
     smollm2-spread-262k-routers|qwen05-spread-262k|qwen05-spread-262k-hidden|smollm2-spread-262k-prose|\
-    qwen05-spread-262k-prose)  # the spread 50% preset tuned on the
-      # preset's 262,144 tokens (the bundled sample and 131,072 tokens sampled by the dense model), or with the
-      # conversations or more real text as its tuning text, or with each layer's output matched as well, or with attention and norms trained too, or
-      # its routers alone; the last three beside the plain tune in the same run (a machine moves retention by up to 3
-      # points: compare within one run)
+    qwen05-spread-262k-prose)  # the spread 50% preset tuned on the preset's 262,144 tokens (the bundled sample and
+      # 131,072 tokens sampled by the dense model), or with the conversations or more real text as its tuning text, or
+      # with each layer's output matched as well, or with attention and norms trained too, or its routers alone; all
+      # but the conversations beside the plain tune in the same run (a machine moves retention by up to 3 points:
+      # compare within one run)
       if [ ${step%%-*} = smollm2 ]; then m=smollm2-135m; else m=qwen2.5-coder-0.5b; fi
       o=out/${step%%-*}-a50
       carve models/$m $o-spread 50
