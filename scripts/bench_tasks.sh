@@ -57,6 +57,8 @@
 #   qwen05-spread-262k  the 0.5B's spread 50% preset tuned on its 262,144 tokens, beside it (~2 h of sampling and
 #                  tuning + ~20 min of tasks, its dense and carve answers cached by qwen05-contribution)
 #   qwen05-spread-262k-hidden  lever 4's layer matching on the 0.5B, beside the plain tune (~2 h 20 min + ~20 min)
+# PLAIN=0 before a step that pairs a tune with the plain one leaves the plain tune out (beside the carve alone, its
+# result file named ...-vs-carve-1000.json): a fresh machine has the time of one 0.5B tune, not two.
 # Run it alone (nice is fine): tuning and scoring share nothing with other jobs but the cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -250,10 +252,10 @@ for step in ${*:-smollm2-262k}; do
       if [ ${step%%-*} = smollm2 ]; then m=smollm2-135m; else m=qwen2.5-coder-0.5b; fi
       o=out/${step%%-*}-a50
       carve models/$m $o-spread 50
-      outs=()
+      outs=() res=$step
       case $step in *-262k|*-chat) ;; *)
-        tuned models/$m $o-spread $o-spread-262k 262144
-        outs=($o-spread-262k) ;;
+        if [ "${PLAIN:-1}" = 1 ]; then tuned models/$m $o-spread $o-spread-262k 262144; outs=($o-spread-262k)
+        else res=$step-vs-carve; fi ;;
       esac
       case $step in *-262k) flags=() ;; *-chat) flags=(--tune-text out/levers/conversations-$m.txt)
           [ -f ${flags[1]} ] || .venv/bin/python scripts/chat_text.py models/$m ${flags[1]} --tokens 12288 ;;
@@ -265,7 +267,7 @@ for step in ${*:-smollm2-262k}; do
       tuned models/$m $o-spread $o-${step#*-} 262144 "${flags[@]}"
       .venv/bin/python scripts/bench_tasks.py models/$m $o-spread "${outs[@]}" $o-${step#*-} \
         --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
-        --out results/quality/tasks-$step-1000.json ;;
+        --out results/quality/tasks-$res-1000.json ;;
     *) echo "bench_tasks.sh: unknown step $step (smollm2-262k, qwen05-free, qwen05-262k, smollm2-1000," \
          "smollm2-contribution, qwen05-contribution, smollm2-spread-contribution, smollm2-active75, smollm2-dense-layers," \
          "qwen05-1000, qwen05-dense-layers," \
