@@ -64,6 +64,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p out/levers
 TASKS="--task-data ../shared/tasks --limit 100 --max-tokens 4096"
+# DTYPE=float32 scores in float32, its result files named ...-1000-float32.json: on a CPU without AVX512-BF16 or AMX
+# bfloat16 products are emulated, about 100 times slower than float32 (2026-12-02's AVX2 machine)
+DTYPE=${DTYPE:-bfloat16} SUFFIX=
+[ "$DTYPE" = bfloat16 ] || SUFFIX=-$DTYPE
 carve() {  # SRC OUT PRESET [FLAGS...]: the training-free carve, unless it is there (PRESET: 50, 25 or a file)
   local preset=$3
   [ -f "$preset" ] || [ -f "$preset.toml" ] && preset=${preset%.toml}.toml || preset=configs/active-$3.toml
@@ -104,16 +108,16 @@ for step in ${*:-smollm2-262k}; do
       carve models/smollm2-135m out/smollm2-a50-seed1 50 --seed 1
       carve models/smollm2-135m out/smollm2-a25 25
       .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/smollm2-a50 out/smollm2-a50-seed1 \
-        out/smollm2-a25 --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
-        --out results/quality/tasks-smollm2-trainingfree-1000.json ;;
+        out/smollm2-a25 --task-data ../shared/tasks --limit 1000 --dtype $DTYPE --max-tokens 4096 \
+        --out results/quality/tasks-smollm2-trainingfree-1000$SUFFIX.json ;;
     smollm2-contribution)  # the shared expert by contribution, against the 50% preset and its --seed 1 twin
       carve models/smollm2-135m out/smollm2-a50 50
       carve models/smollm2-135m out/smollm2-a50-seed1 50 --seed 1
       lever active-50 shared_by contribution
       carve models/smollm2-135m out/smollm2-a50-contribution out/levers/active-50-shared_by-contribution
       .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/smollm2-a50 out/smollm2-a50-seed1 \
-        out/smollm2-a50-contribution --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
-        --out results/quality/tasks-smollm2-contribution-1000.json ;;
+        out/smollm2-a50-contribution --task-data ../shared/tasks --limit 1000 --dtype $DTYPE --max-tokens 4096 \
+        --out results/quality/tasks-smollm2-contribution-1000$SUFFIX.json ;;
     qwen05-contribution|smollm2-spread-contribution)  # the shared expert by contribution, against the preset as it
       # carves now (spread windows)
       if [ ${step%%-*} = smollm2 ]; then m=smollm2-135m; else m=qwen2.5-coder-0.5b; fi
@@ -122,14 +126,14 @@ for step in ${*:-smollm2-262k}; do
       lever active-50 shared_by contribution
       carve models/$m $o-contribution out/levers/active-50-shared_by-contribution
       .venv/bin/python scripts/bench_tasks.py models/$m $o $o-contribution --task-data ../shared/tasks --limit 1000 \
-        --dtype bfloat16 --max-tokens 4096 --out results/quality/tasks-$step-1000.json ;;
+        --dtype $DTYPE --max-tokens 4096 --out results/quality/tasks-$step-1000$SUFFIX.json ;;
     smollm2-active75)  # a 75% layout (half of d_ff shared + top-12 of 24 routed on SmolLM2), beside the presets
       sed -e 's/^active = 0.5$/active = 0.75/' -e 's/^shared = 0.25$/shared = 0.5/' configs/active-50.toml \
         > out/levers/active-75.toml
       carve models/smollm2-135m out/smollm2-a75 out/levers/active-75
       .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/smollm2-a50 out/smollm2-a25 out/smollm2-a75 \
-        --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
-        --out results/quality/tasks-smollm2-active75-1000.json ;;
+        --task-data ../shared/tasks --limit 1000 --dtype $DTYPE --max-tokens 4096 \
+        --out results/quality/tasks-smollm2-active75-1000$SUFFIX.json ;;
     smollm2-dense-layers)  # lever 1 at equal compute: the 2 layers of largest carve error kept dense (auto:2), the
       # others' routed top-k 12 -> 10 of 36 (49.4% average active, the preset 50.0%); transformers and vLLM only
       carve models/smollm2-135m out/smollm2-a50 50
@@ -139,17 +143,17 @@ for step in ${*:-smollm2-262k}; do
       carve models/smollm2-135m out/smollm2-a50-dense2 out/levers/active-50-dense_layers-auto2-top10 \
         --dense-layers auto:2 --top-k 10
       .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/smollm2-a50 out/smollm2-a50-seed1 \
-        out/smollm2-a50-dense2 --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
-        --out results/quality/tasks-smollm2-dense-layers-1000.json ;;
+        out/smollm2-a50-dense2 --task-data ../shared/tasks --limit 1000 --dtype $DTYPE --max-tokens 4096 \
+        --out results/quality/tasks-smollm2-dense-layers-1000$SUFFIX.json ;;
     qwen05-1000)  # the dense model and the 50% preset first (their file written), then its --seed 1 twin beside them
       carve models/qwen2.5-coder-0.5b out/qwen05-a50 50
       .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/qwen05-a50 \
-        --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
-        --out results/quality/tasks-qwen05-trainingfree-1000.json
+        --task-data ../shared/tasks --limit 1000 --dtype $DTYPE --max-tokens 4096 \
+        --out results/quality/tasks-qwen05-trainingfree-1000$SUFFIX.json
       carve models/qwen2.5-coder-0.5b out/qwen05-a50-seed1 50 --seed 1
       .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/qwen05-a50 out/qwen05-a50-seed1 \
-        --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
-        --out results/quality/tasks-qwen05-trainingfree-1000.json ;;
+        --task-data ../shared/tasks --limit 1000 --dtype $DTYPE --max-tokens 4096 \
+        --out results/quality/tasks-qwen05-trainingfree-1000$SUFFIX.json ;;
     qwen05-dense-layers)  # lever 1 on the second size: 2 dense layers of 24 (auto:2), shared 10 + top-7 of 28 routed
       # of 38 slices elsewhere (report.json: 0.515x the dense FFN FLOPs, the preset 0.502x)
       carve models/qwen2.5-coder-0.5b out/qwen05-a50 50
@@ -159,20 +163,20 @@ for step in ${*:-smollm2-262k}; do
       carve models/qwen2.5-coder-0.5b out/qwen05-a50-dense2 out/levers/active-50-dense_layers-auto2-top7 \
         --dense-layers auto:2 --top-k 7
       .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/qwen05-a50 out/qwen05-a50-seed1 \
-        out/qwen05-a50-dense2 --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
-        --out results/quality/tasks-qwen05-dense-layers-1000.json ;;
+        out/qwen05-a50-dense2 --task-data ../shared/tasks --limit 1000 --dtype $DTYPE --max-tokens 4096 \
+        --out results/quality/tasks-qwen05-dense-layers-1000$SUFFIX.json ;;
     qwen05-active75)  # the active-75 preset on the second size, beside the 50% preset (its answers cached)
       carve models/qwen2.5-coder-0.5b out/qwen05-a50 50
       carve models/qwen2.5-coder-0.5b out/qwen05-a75 75
       .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/qwen05-a50 \
-        out/qwen05-a75 --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
-        --out results/quality/tasks-qwen05-active75-1000.json ;;
+        out/qwen05-a75 --task-data ../shared/tasks --limit 1000 --dtype $DTYPE --max-tokens 4096 \
+        --out results/quality/tasks-qwen05-active75-1000$SUFFIX.json ;;
     qwen05-active25)  # the 0.5B's 25% preset at 1,000 items, beside the 50% one (its answers cached)
       carve models/qwen2.5-coder-0.5b out/qwen05-a50 50
       carve models/qwen2.5-coder-0.5b out/qwen05-a25 25
       .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/qwen05-a50 \
-        out/qwen05-a25 --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
-        --out results/quality/tasks-qwen05-active25-1000.json ;;
+        out/qwen05-a25 --task-data ../shared/tasks --limit 1000 --dtype $DTYPE --max-tokens 4096 \
+        --out results/quality/tasks-qwen05-active25-1000$SUFFIX.json ;;
     smollm2-chat)  # lever 3: calibrated on half the bundled sample's first tokens, half conversations SmolLM2 writes
       # itself from its chat template (scripts/chat_text.py), beside the preset and its seed-1 twin
       carve models/smollm2-135m out/smollm2-a50 50
@@ -181,8 +185,8 @@ for step in ${*:-smollm2-262k}; do
         out/levers/chat-smollm2-135m.txt --tokens 12288 --prefix moeify/data/calib_sample.txt --prefix-tokens 8192
       carve models/smollm2-135m out/smollm2-a50-chat 50 --calib out/levers/chat-smollm2-135m.txt
       .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/smollm2-a50 out/smollm2-a50-seed1 \
-        out/smollm2-a50-chat --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
-        --out results/quality/tasks-smollm2-chat-1000.json ;;
+        out/smollm2-a50-chat --task-data ../shared/tasks --limit 1000 --dtype $DTYPE --max-tokens 4096 \
+        --out results/quality/tasks-smollm2-chat-1000$SUFFIX.json ;;
     qwen05-chat)  # lever 3 on the second size: the 0.5B's own conversations as half its calibration text
       carve models/qwen2.5-coder-0.5b out/qwen05-a50 50
       carve models/qwen2.5-coder-0.5b out/qwen05-a50-seed1 50 --seed 1
@@ -191,8 +195,8 @@ for step in ${*:-smollm2-262k}; do
         --prefix moeify/data/calib_sample.txt --prefix-tokens 8192
       carve models/qwen2.5-coder-0.5b out/qwen05-a50-chat 50 --calib out/levers/chat-qwen2.5-coder-0.5b.txt
       .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/qwen05-a50 out/qwen05-a50-seed1 \
-        out/qwen05-a50-chat --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
-        --out results/quality/tasks-qwen05-chat-1000.json ;;
+        out/qwen05-a50-chat --task-data ../shared/tasks --limit 1000 --dtype $DTYPE --max-tokens 4096 \
+        --out results/quality/tasks-qwen05-chat-1000$SUFFIX.json ;;
     smollm2-genres)  # lever 3's control: half the bundled sample's WikiText, half its other genre (War and Peace),
       # the same share of other text as smollm2-chat, real prose instead of conversations
       carve models/smollm2-135m out/smollm2-a50 50
@@ -202,8 +206,8 @@ for step in ${*:-smollm2-262k}; do
         --prefix moeify/data/calib_sample.txt --prefix-tokens 8192 --control out/levers/war-and-peace.txt
       carve models/smollm2-135m out/smollm2-a50-genres 50 --calib out/levers/genres-smollm2-135m.txt
       .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/smollm2-a50 out/smollm2-a50-seed1 \
-        out/smollm2-a50-genres --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
-        --out results/quality/tasks-smollm2-genres-1000.json ;;
+        out/smollm2-a50-genres --task-data ../shared/tasks --limit 1000 --dtype $DTYPE --max-tokens 4096 \
+        --out results/quality/tasks-smollm2-genres-1000$SUFFIX.json ;;
     smollm2-spread|qwen05-spread)  # the presets' 16,384 calibration tokens spread over the whole bundled sample
       # (both genres; moeify/formats/text.py calibration_tokens) instead of its head, beside the head-calibrated
       # preset and its seed-1 twin carved before that change (their answers cached)
@@ -212,22 +216,22 @@ for step in ${*:-smollm2-262k}; do
       for d in $o $o-seed1; do [ -f $d/report.json ] || { echo "needs $d carved before the spread change" >&2; exit 2; }; done
       carve $src $o-spread 50
       .venv/bin/python scripts/bench_tasks.py $src $o $o-seed1 $o-spread --task-data ../shared/tasks --limit 1000 \
-        --dtype bfloat16 --max-tokens 4096 --out results/quality/tasks-${step%-spread}-spread-1000.json ;;
+        --dtype $DTYPE --max-tokens 4096 --out results/quality/tasks-${step%-spread}-spread-1000$SUFFIX.json ;;
     smollm2-spread-presets)  # the 75% and 25% presets calibrated as the 50% one now is (spread), beside it
       carve models/smollm2-135m out/smollm2-a50-spread 50
       carve models/smollm2-135m out/smollm2-a75-spread 75
       carve models/smollm2-135m out/smollm2-a25-spread 25
       .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/smollm2-a50-spread out/smollm2-a75-spread \
-        out/smollm2-a25-spread --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
-        --out results/quality/tasks-smollm2-spread-presets-1000.json ;;
+        out/smollm2-a25-spread --task-data ../shared/tasks --limit 1000 --dtype $DTYPE --max-tokens 4096 \
+        --out results/quality/tasks-smollm2-spread-presets-1000$SUFFIX.json ;;
     qwen05-spread-active75|qwen05-spread-active25)  # the 0.5B's active-75 or active-25 preset calibrated spread,
       # beside the spread 50% one
       p=${step##*active}
       carve models/qwen2.5-coder-0.5b out/qwen05-a50-spread 50
       carve models/qwen2.5-coder-0.5b out/qwen05-a$p-spread $p
       .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/qwen05-a50-spread out/qwen05-a$p-spread \
-        --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
-        --out results/quality/tasks-$step-1000.json ;;
+        --task-data ../shared/tasks --limit 1000 --dtype $DTYPE --max-tokens 4096 \
+        --out results/quality/tasks-$step-1000$SUFFIX.json ;;
     smollm2-chat-spread|qwen05-chat-spread)  # lever 3 on top of the spread windows: the calibration text half the
       # bundled sample (512-token windows spread over it, as the presets read it) and half the conversations the model
       # wrote itself from its chat template (the ones smollm2-chat / qwen05-chat used: 12,877 / 14,930 tokens), so
@@ -241,7 +245,7 @@ for step in ${*:-smollm2-262k}; do
       carve models/$m $o-spread 50
       carve models/$m $o-chat-spread 50 --calib out/levers/chat-spread-$m.txt
       .venv/bin/python scripts/bench_tasks.py models/$m $o-spread $o-chat-spread --task-data ../shared/tasks \
-        --limit 1000 --dtype bfloat16 --max-tokens 4096 --out results/quality/tasks-$step-1000.json ;;
+        --limit 1000 --dtype $DTYPE --max-tokens 4096 --out results/quality/tasks-$step-1000$SUFFIX.json ;;
     smollm2-spread-262k|smollm2-spread-262k-chat|smollm2-spread-262k-hidden|smollm2-spread-262k-attention|\
     smollm2-spread-262k-routers|qwen05-spread-262k|qwen05-spread-262k-hidden|smollm2-spread-262k-prose|\
     qwen05-spread-262k-prose)  # the spread 50% preset tuned on the preset's 262,144 tokens (the bundled sample and
@@ -266,8 +270,8 @@ for step in ${*:-smollm2-262k}; do
       esac
       tuned models/$m $o-spread $o-${step#*-} 262144 "${flags[@]}"
       .venv/bin/python scripts/bench_tasks.py models/$m $o-spread "${outs[@]}" $o-${step#*-} \
-        --task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096 \
-        --out results/quality/tasks-$res-1000.json ;;
+        --task-data ../shared/tasks --limit 1000 --dtype $DTYPE --max-tokens 4096 \
+        --out results/quality/tasks-$res-1000$SUFFIX.json ;;
     *) echo "bench_tasks.sh: unknown step $step (smollm2-262k, qwen05-free, qwen05-262k, smollm2-1000," \
          "smollm2-contribution, qwen05-contribution, smollm2-spread-contribution, smollm2-active75, smollm2-dense-layers," \
          "qwen05-1000, qwen05-dense-layers," \

@@ -430,3 +430,21 @@ def test_evaluation_and_calibration_text_is_read_by_one_reader(tmp_path, content
     good = tmp_path / "good.jsonl"
     good.write_text('{"text": "one"}\n\n{"text": "two"}\n')
     assert read_text(good)[0] == read_texts([good]) == "one\n\ntwo"
+
+
+def test_bf16_on_a_cpu_without_it_warns(monkeypatch):
+    """--dtype bfloat16 on a CPU without AVX512-BF16 / AMX (emulated: ~100x slower than float32 on an AVX2 EPYC)
+    says so and what to use; a CPU with it, float32 and auto say nothing."""
+    import warnings
+
+    from moeify.evaluation import perplexity
+
+    monkeypatch.setattr(perplexity, "bf16_fast", lambda device: False)
+    with pytest.warns(UserWarning, match=r"--dtype bfloat16 on a CPU without AVX512-BF16.*use --dtype float32"):
+        assert perplexity.resolve_device("cpu", "bfloat16") == (torch.device("cpu"), torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert perplexity.resolve_device("cpu", "float32")[1] is torch.float32
+        assert perplexity.resolve_device("cpu", "auto")[1] is torch.float32
+        monkeypatch.setattr(perplexity, "bf16_fast", lambda device: True)
+        assert perplexity.resolve_device("cpu", "bfloat16")[1] is torch.bfloat16
