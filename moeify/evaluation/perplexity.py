@@ -232,7 +232,7 @@ def _kl_sum(states: torch.Tensor, ref_states: torch.Tensor, ref_head, head, rows
 
 
 SLOW_BF16 = ("moeify eval: --dtype bfloat16 on a CPU without AVX512-BF16 or AMX: its products are emulated, about "
-             "100x slower than float32 here (2026-12-02, an AVX2 EPYC); use --dtype float32 (or auto) on this machine")
+             "100x slower than float32 on an AVX2 EPYC; use --dtype float32 (or auto) on this machine")
 
 
 def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
