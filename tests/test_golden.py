@@ -18,10 +18,15 @@ output) and `seconds = ...` lines (a tuning or training run's wall-clock time). 
 the outputs name their sources by folder name, not by path, and every tensor, every KL and logit difference a card
 reports came out bit-identical.
 
-The builds run on one thread (as `make test`'s workers do on 2 cores), because one output depends on the thread
-count: `train` is bit-identical from run to run at a given count, but its weights (and so its card's perplexity)
-differ between one thread and two (the order of float sums in its training steps). Every other output came out the
-same at one thread and at two.
+The builds run in a process of their own with the processor's kernels pinned (PINNED): torch's scalar kernels
+(ATEN_CPU_CAPABILITY=default, not the AVX2 or AVX512 ones it picks by processor) and MKL's conditional numerical
+reproducibility (MKL_CBWR=COMPATIBLE), on one thread. Unpinned, each processor rounds differently: the hashes
+written on 2026-12-01 came out different on 2026-12-02's CI machine and again on an AMD EPYC with AVX512 (the random
+initialisation of the sources, the calibration statistics, the tuning and the cards' numbers), with the code
+unchanged; on that EPYC a product, a softmax and torch's normal_ each changed bits between torch's AVX512, AVX2 and
+scalar kernels, and between MKL's own choice and MKL_CBWR=COMPATIBLE, while the pinned pair gave the same bits with
+MKL limited to AVX2 (MKL_ENABLE_INSTRUCTIONS=AVX2). One thread, because `train` depends on the thread count (the
+order of float sums in its training steps: bit-identical run to run at a given count, different at one and two).
 
 A mismatch names the output and the files that differ. When a change to an output is intended, regenerate the file
 on purpose and say why in the commit:
@@ -29,10 +34,8 @@ on purpose and say why in the commit:
     MOEIFY_GOLDEN_UPDATE=1 .venv/bin/pytest -q -n 0 tests/test_golden.py
 
 A change of torch or transformers may change the sources themselves (built from seeds with transformers' own
-initialisation) and so every hash: regenerate then too, after checking that only the upgrade changed. So may another
-processor: on 2026-12-01 a new machine gave five new hashes with the code unchanged (the float32 rounding of the
-calibration, the tuning and one card's check numbers); regenerate with the code before the change under test (a git
-worktree of it) and check that the change matches those.
+initialisation) and so every hash: regenerate then too, after checking that only the upgrade changed (a git worktree
+of the code before the change, regenerated with the new versions, gives the hashes the change must match).
 """
 
 from __future__ import annotations
@@ -43,14 +46,15 @@ import os
 import re
 import shutil
 import struct
-from contextlib import contextmanager
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import moeify
-from conftest import CORPUS, build_dense
+from conftest import CORPUS, build_dense, built_once
 from moeify.version import __version__
 
 GOLDEN = Path(__file__).with_name("golden_hashes.json")
@@ -58,6 +62,8 @@ UPDATE = os.environ.get("MOEIFY_GOLDEN_UPDATE") == "1"
 SAMPLE = Path(moeify.__file__).parent / "data" / "calib_sample.txt"  # a second text, the bundled sample
 CALIB = dict(calib=[str(CORPUS)], calib_tokens=2048, calib_seq_len=64)
 HASHED = ("config.json", "README.md", "moeify.toml")
+# the same bits on any x86-64 processor: torch's scalar kernels, MKL's reproducible path, one thread (docstring)
+PINNED = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def _convert_weight_only(src, out):
@@ -106,19 +112,9 @@ RUNS = {  # name -> the run writing OUT (the outputs' folder names: the cards na
 }
 
 
-@contextmanager
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 class Outputs:
     """The sources ("a", "b": two dense Llamas of one tokenizer) and the runs' outputs, each built when first asked
-    for (under pytest-xdist each worker builds what its tests need)."""
+    for (a run builds the outputs it starts from first)."""
 
     def __init__(self, root: Path, tokenizer_dir: Path):
         self.root, self.tokenizer_dir, self.built = root, tokenizer_dir, {}
@@ -126,18 +122,31 @@ class Outputs:
     def __getitem__(self, name: str) -> Path:
         if name not in self.built:
             path = self.root / name
-            with one_thread():
-                if name in ("a", "b"):
-                    build_dense(path, self.tokenizer_dir, seed=0 if name == "a" else 1)
-                else:
-                    RUNS[name](self, path)
+            if name in ("a", "b"):
+                build_dense(path, self.tokenizer_dir, seed=0 if name == "a" else 1)
+            else:
+                RUNS[name](self, path)
             self.built[name] = path
         return self.built[name]
 
 
+def build_all(root: Path, tokenizer_dir: Path) -> None:
+    """Every source and every run's output under root (what the pinned process runs: see __main__)."""
+    torch.set_num_threads(1)
+    outputs = Outputs(root, tokenizer_dir)
+    for name in ("a", "b", *RUNS):
+        outputs[name]
+
+
 @pytest.fixture(scope="module")
-def outputs(tmp_path_factory, tokenizer_dir) -> Outputs:
-    return Outputs(tmp_path_factory.mktemp("golden"), tokenizer_dir)
+def outputs(tmp_path_factory, tokenizer_dir) -> Path:
+    """The folder of every output, built once by a process with the kernels pinned (PINNED)."""
+    def build(root: Path) -> None:
+        done = subprocess.run([sys.executable, __file__, str(root), str(tokenizer_dir)], capture_output=True,
+                              text=True, env={**os.environ, **PINNED})
+        assert done.returncode == 0, f"the golden builds failed:\n{done.stderr[-4000:]}"
+
+    return built_once(tmp_path_factory, "golden", build)
 
 
 def tensors_digest(path: Path) -> str:
@@ -197,7 +206,7 @@ def mismatch(name: str, expected: dict, got: dict) -> str:
 
 @pytest.mark.parametrize("name", RUNS)
 def test_output_matches_its_golden_hashes(name, outputs):
-    got = output_hashes(outputs[name])
+    got = output_hashes(outputs / name)
     if UPDATE:
         write_golden(lambda golden: golden.update({name: got}))
         return
@@ -212,3 +221,7 @@ def test_golden_file_holds_exactly_the_runs():
         write_golden(lambda golden: [golden.pop(k) for k in set(golden) - set(RUNS)])
         return
     assert sorted(read_golden()) == sorted(RUNS)
+
+
+if __name__ == "__main__":  # python tests/test_golden.py ROOT TOKENIZER_DIR, run by the outputs fixture
+    build_all(Path(sys.argv[1]), Path(sys.argv[2]))

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from conftest import build_dense, kill_at_step, load
@@ -392,10 +393,20 @@ def test_layer_matching_runs_the_teacher_in_the_loop_and_brings_every_layer_near
                     precompute_targets=True)
 
 
+def is_router(name: str) -> bool:
+    return name.endswith(("gate.weight", "router.weight")) and ".experts." not in name and "shared_expert" not in name
+
+
 def test_router_only_trains_the_routers_alone_and_says_so(carved, tmp_path):
     """train_experts False (`tune --router-only`): the routers learn from the KL and every expert tensor stays
     bit-identical to the carve's; the report lists the routers alone as tuned, the run records it, and the memory
-    model holds the experts once (no gradients or Adam moments). With --freeze-router nothing is left to train."""
+    model holds the experts once (no gradients or Adam moments). With --freeze-router nothing is left to train.
+
+    The routers start misrouted (each router's rows rolled by one: every expert receives another's tokens), so that
+    what routing alone recovers stands clear of float rounding: from the calibrated carve's routers the run moved the
+    held-out KL by 0.0% to 1.1% depending on the processor's kernels (its best step kept, none better on 2026-12-02's
+    CI machine), from misrouted ones by 12-13% at lr 0.2 under both AVX512 and scalar (ATEN_CPU_CAPABILITY=default,
+    MKL_CBWR=COMPATIBLE) kernels on 2026-12-02."""
     from typer.testing import CliRunner
 
     from moeify.cli.app import app
@@ -405,13 +416,14 @@ def test_router_only_trains_the_routers_alone_and_says_so(carved, tmp_path):
 
     dense, carve = carved
     out = copy_output(carve, tmp_path / "routers")
-    report = tune_output(dense, out, dataclasses.replace(OPTS, train_experts=False))
+    misrouted = {n: t.roll(1, dims=0).contiguous() if is_router(n) else t for n, t in tensors_of(carve).items()}
+    save_file(misrouted, str(out / "model.safetensors"), metadata={"format": "pt"})
+    report = tune_output(dense, out, dataclasses.replace(OPTS, train_experts=False, lr=0.2))
     run = report["tuning"]["runs"][0]
     assert run["experts_trained"] is False and run["router_trained"] is True
-    assert run["holdout_kl_after"] < 0.995 * run["holdout_kl_before"], run  # routing alone: 2.014 -> 1.998
-    before, after = tensors_of(carve), tensors_of(out)
-    routers = [n for n in after if n.endswith(("gate.weight", "router.weight")) and ".experts." not in n
-               and "shared_expert" not in n]
+    assert run["holdout_kl_after"] < 0.95 * run["holdout_kl_before"], run  # 3.045 -> 2.654 (AVX512), 3.042 -> 2.671
+    before, after = misrouted, tensors_of(out)
+    routers = [n for n in after if is_router(n)]
     assert routers and all(not torch.equal(after[n], before[n]) for n in routers)
     assert all(torch.equal(after[n], before[n]) for n in after if ".experts." in n)
     assert all(e["tuned"] == ["router"] for e in report["layers"] if not e.get("dense"))
