@@ -25,8 +25,10 @@ written on 2026-12-01 came out different on 2026-12-02's CI machine and again on
 initialisation of the sources, the calibration statistics, the tuning and the cards' numbers), with the code
 unchanged; on that EPYC a product, a softmax and torch's normal_ each changed bits between torch's AVX512, AVX2 and
 scalar kernels, and between MKL's own choice and MKL_CBWR=COMPATIBLE, while the pinned pair gave the same bits with
-MKL limited to AVX2 (MKL_ENABLE_INSTRUCTIONS=AVX2). One thread, because `train` depends on the thread count (the
-order of float sums in its training steps: bit-identical run to run at a given count, different at one and two).
+MKL limited to AVX2 (MKL_ENABLE_INSTRUCTIONS=AVX2) and numpy's AVX512 off (NPY_DISABLE_CPU_FEATURES): checked so
+far on that one processor by limiting what it may use; a processor that still differs asks for another pin, not
+for new hashes. One thread, because `train` depends on the thread count (the order of float sums in its training
+steps: bit-identical run to run at a given count, different at one and two).
 
 A mismatch names the output and the files that differ. When a change to an output is intended, regenerate the file
 on purpose and say why in the commit:
