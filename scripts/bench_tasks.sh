@@ -1,9 +1,9 @@
 #!/bin/bash
 # Zero-shot task accuracy of the presets as users get them (BENCHMARKS "Zero-shot task accuracy"): each step carves
 # (calibrated on the bundled sample, as `moeify convert --preset` does), tunes on the preset's 262,144 tokens where
-# it says so, and scores the dense model beside its outputs with scripts/bench_tasks.py on the first 100 items of
-# each of the six tasks; a step is resumable (an interrupted tune goes on with --resume) and writes its result file
-# at once:
+# it says so, and scores the dense model beside its outputs with scripts/bench_tasks.py on the first 1,000 items of
+# each of the six tasks (the first three steps: 100, the earlier tables); a step is resumable (an interrupted tune
+# goes on with --resume) and writes its result file at once:
 #     bash scripts/bench_tasks.sh [STEP...]
 # steps (each ~2 cores alone, 2026-11 timings):
 #   smollm2-262k   SmolLM2-135M, both presets tuned on 262,144 tokens    (~50 min a tune + ~45 min of tasks)
