@@ -28,7 +28,10 @@ scalar kernels, and between MKL's own choice and MKL_CBWR=COMPATIBLE, while the 
 MKL limited to AVX2 (MKL_ENABLE_INSTRUCTIONS=AVX2) and numpy's AVX512 off (NPY_DISABLE_CPU_FEATURES): checked so
 far on that one processor by limiting what it may use; a processor that still differs asks for another pin, not
 for new hashes. One thread, because `train` depends on the thread count (the order of float sums in its training
-steps: bit-identical run to run at a given count, different at one and two).
+steps: bit-identical run to run at a given count, different at one and two). Tuning and training in float32
+(MOEIFY_AUTOCAST=off), because by default they run under bf16 autocast only where the CPU computes bf16 fast
+(AVX512-BF16 or AMX): the trained outputs written on such a machine came out different on an AVX2-only one
+(2026-12-02), every carve the same.
 
 A mismatch names the output and the files that differ. When a change to an output is intended, regenerate the file
 on purpose and say why in the commit:
@@ -65,7 +68,8 @@ SAMPLE = Path(moeify.__file__).parent / "data" / "calib_sample.txt"  # a second 
 CALIB = dict(calib=[str(CORPUS)], calib_tokens=2048, calib_seq_len=64)
 HASHED = ("config.json", "README.md", "moeify.toml")
 # the same bits on any x86-64 processor: torch's scalar kernels, MKL's reproducible path, one thread (docstring)
-PINNED = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+PINNED = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+          "MOEIFY_AUTOCAST": "off"}
 
 
 def _convert_weight_only(src, out):
