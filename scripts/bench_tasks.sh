@@ -57,6 +57,9 @@
 #   qwen05-spread-262k  the 0.5B's spread 50% preset tuned on its 262,144 tokens, beside it (~2 h of sampling and
 #                  tuning + ~20 min of tasks, its dense and carve answers cached by qwen05-contribution)
 #   qwen05-spread-262k-hidden  lever 4's layer matching on the 0.5B, beside the plain tune (~2 h 20 min + ~20 min)
+#   smollm2-spread-active75-262k  lever 5 tuned: the active-75 preset's 262,144-token tune against dense, then its
+#                  training-free carve beside them (~80 min of sampling and tuning + ~30 min of tasks; float32 on
+#                  an AVX2-only CPU: ~20 min a model)
 # PLAIN=0 before a step that pairs a tune with the plain one leaves the plain tune out (beside the carve alone, its
 # result file named ...-vs-carve-1000.json): a fresh machine has the time of one 0.5B tune, not two.
 # Run it alone (nice is fine): tuning and scoring share nothing with other jobs but the cores.
@@ -246,6 +249,14 @@ for step in ${*:-smollm2-262k}; do
       carve models/$m $o-chat-spread 50 --calib out/levers/chat-spread-$m.txt
       .venv/bin/python scripts/bench_tasks.py models/$m $o-spread $o-chat-spread --task-data ../shared/tasks \
         --limit 1000 --dtype $DTYPE --max-tokens 4096 --out results/quality/tasks-$step-1000$SUFFIX.json ;;
+    smollm2-spread-active75-262k)  # the active-75 preset (calibrated spread) tuned on its 262,144 tokens: dense and
+      # the tune scored first (their file written), then the training-free carve beside them (the others cached)
+      carve models/smollm2-135m out/smollm2-a75-spread 75
+      tuned models/smollm2-135m out/smollm2-a75-spread out/smollm2-a75-spread-262k 262144
+      for ms in "out/smollm2-a75-spread-262k" "out/smollm2-a75-spread out/smollm2-a75-spread-262k"; do
+        .venv/bin/python scripts/bench_tasks.py models/smollm2-135m $ms --task-data ../shared/tasks --limit 1000 \
+          --dtype $DTYPE --max-tokens 4096 --out results/quality/tasks-$step-1000$SUFFIX.json
+      done ;;
     smollm2-spread-262k|smollm2-spread-262k-chat|smollm2-spread-262k-hidden|smollm2-spread-262k-attention|\
     smollm2-spread-262k-routers|qwen05-spread-262k|qwen05-spread-262k-hidden|smollm2-spread-262k-prose|\
     qwen05-spread-262k-prose)  # the spread 50% preset tuned on the preset's 262,144 tokens (the bundled sample and
@@ -279,7 +290,7 @@ for step in ${*:-smollm2-262k}; do
          "smollm2-spread-presets, qwen05-spread-active75, qwen05-spread-active25, smollm2-chat-spread, qwen05-chat-spread," \
          "smollm2-spread-262k, smollm2-spread-262k-chat, smollm2-spread-262k-hidden," \
          "smollm2-spread-262k-attention, smollm2-spread-262k-routers, qwen05-spread-262k, qwen05-spread-262k-hidden," \
-         "smollm2-spread-262k-prose, qwen05-spread-262k-prose)" >&2
+         "smollm2-spread-262k-prose, qwen05-spread-262k-prose, smollm2-spread-active75-262k)" >&2
        exit 2 ;;
   esac
 done
