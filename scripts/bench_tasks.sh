@@ -58,8 +58,8 @@
 #                  tuning + ~20 min of tasks, its dense and carve answers cached by qwen05-contribution)
 #   qwen05-spread-262k-hidden  lever 4's layer matching on the 0.5B, beside the plain tune (~2 h 20 min + ~20 min)
 #   smollm2-spread-active75-262k  lever 5 tuned: the active-75 preset's 262,144-token tune against dense, then its
-#                  training-free carve beside them (~80 min of sampling and tuning + ~30 min of tasks; float32 on
-#                  an AVX2-only CPU: ~20 min a model)
+#                  training-free carve beside them (float32 on an AVX2-only CPU: ~50 min of sampling and tuning,
+#                  ~20 min of tasks a model)
 # PLAIN=0 before a step that pairs a tune with the plain one leaves the plain tune out (beside the carve alone, its
 # result file named ...-vs-carve-1000.json): a fresh machine has the time of one 0.5B tune, not two.
 # Run it alone (nice is fine): tuning and scoring share nothing with other jobs but the cores.
