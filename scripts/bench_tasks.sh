@@ -60,6 +60,9 @@
 #   smollm2-spread-active75-262k  lever 5 tuned: the active-75 preset's 262,144-token tune against dense, then its
 #                  training-free carve beside them (float32 on an AVX2-only CPU: ~50 min of sampling and tuning,
 #                  ~20 min of tasks a model)
+#   smollm2-spread-524k  lever 4's tokens: smollm2-spread-262k's plain tune tuned on for 262,144 more (524,288 in
+#                  all), beside the carve and the 262k tune (float32 on an AVX2-only CPU: ~22 min of sampling, ~48 min of
+#                  steps, ~20 min of tasks)
 # PLAIN=0 before a step that pairs a tune with the plain one leaves the plain tune out (beside the carve alone, its
 # result file named ...-vs-carve-1000.json): a fresh machine has the time of one 0.5B tune, not two.
 # Run it alone (nice is fine): tuning and scoring share nothing with other jobs but the cores.
@@ -84,6 +87,15 @@ tuned() {  # SRC CARVE OUT TOKENS [FLAGS...]: the carve tuned on TOKENS, resumed
     .venv/bin/moeify tune "$1" "$3" --resume
   elif ! grep -q '"tuning"' "$3/report.json" 2>/dev/null; then
     rm -rf "$3" && cp -r "$2" "$3" && .venv/bin/moeify tune "$1" "$3" --tokens "$4" "${@:5}"
+  fi
+}
+tuned_more() {  # SRC FROM OUT TOKENS TOTAL: the tuned output FROM tuned on for TOKENS more (the rest of one cosine,
+  # as `moeify tune` continues by default) into OUT, TOTAL tokens in all; resumed if a run was interrupted
+  if [ -d "$3.moeify-tune" ]; then
+    .venv/bin/moeify tune "$1" "$3" --resume
+  elif [ "$(.venv/bin/python -c 'import json, sys; print(json.load(open(sys.argv[1]))["tuning"]["tokens"])' \
+        "$3/report.json" 2>/dev/null)" != "$5" ]; then
+    rm -rf "$3" && cp -r "$2" "$3" && .venv/bin/moeify tune "$1" "$3" --tokens "$4"
   fi
 }
 for step in ${*:-smollm2-262k}; do
@@ -257,6 +269,14 @@ for step in ${*:-smollm2-262k}; do
         .venv/bin/python scripts/bench_tasks.py models/smollm2-135m $ms --task-data ../shared/tasks --limit 1000 \
           --dtype $DTYPE --max-tokens 4096 --out results/quality/tasks-$step-1000$SUFFIX.json
       done ;;
+    smollm2-spread-524k)  # lever 4's tokens: the plain 262,144-token tune (smollm2-spread-262k's) tuned on for
+      # 262,144 more, beside the carve and the 262k tune (their answers cached by smollm2-spread-262k)
+      carve models/smollm2-135m out/smollm2-a50-spread 50
+      tuned models/smollm2-135m out/smollm2-a50-spread out/smollm2-a50-spread-262k 262144
+      tuned_more models/smollm2-135m out/smollm2-a50-spread-262k out/smollm2-a50-spread-524k 262144 524288
+      .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/smollm2-a50-spread out/smollm2-a50-spread-262k \
+        out/smollm2-a50-spread-524k --task-data ../shared/tasks --limit 1000 --dtype $DTYPE --max-tokens 4096 \
+        --out results/quality/tasks-$step-1000$SUFFIX.json ;;
     smollm2-spread-262k|smollm2-spread-262k-chat|smollm2-spread-262k-hidden|smollm2-spread-262k-attention|\
     smollm2-spread-262k-routers|qwen05-spread-262k|qwen05-spread-262k-hidden|smollm2-spread-262k-prose|\
     qwen05-spread-262k-prose)  # the spread 50% preset tuned on the preset's 262,144 tokens (the bundled sample and
@@ -290,7 +310,7 @@ for step in ${*:-smollm2-262k}; do
          "smollm2-spread-presets, qwen05-spread-active75, qwen05-spread-active25, smollm2-chat-spread, qwen05-chat-spread," \
          "smollm2-spread-262k, smollm2-spread-262k-chat, smollm2-spread-262k-hidden," \
          "smollm2-spread-262k-attention, smollm2-spread-262k-routers, qwen05-spread-262k, qwen05-spread-262k-hidden," \
-         "smollm2-spread-262k-prose, qwen05-spread-262k-prose, smollm2-spread-active75-262k)" >&2
+         "smollm2-spread-262k-prose, qwen05-spread-262k-prose, smollm2-spread-active75-262k, smollm2-spread-524k)" >&2
        exit 2 ;;
   esac
 done
