@@ -63,6 +63,8 @@
 #   smollm2-spread-524k  lever 4's tokens: smollm2-spread-262k's plain tune tuned on for 262,144 more (524,288 in
 #                  all), beside the carve and the 262k tune (float32 on an AVX2-only CPU: ~22 min of sampling, ~48 min of
 #                  steps, ~20 min of tasks)
+#   smollm2-spread-1m  the 524k tune tuned on for 524,288 more (1,048,576 in all), beside the carve and the three
+#                  tunes (not yet run; float32 on the AVX2 CPU: ~45 min of sampling, ~95 min of steps, ~20 min of tasks)
 # PLAIN=0 before a step that pairs a tune with the plain one leaves the plain tune out (beside the carve alone, its
 # result file named ...-vs-carve-1000.json): a fresh machine has the time of one 0.5B tune, not two.
 # Run it alone (nice is fine): tuning and scoring share nothing with other jobs but the cores.
@@ -269,14 +271,19 @@ for step in ${*:-smollm2-262k}; do
         .venv/bin/python scripts/bench_tasks.py models/smollm2-135m $ms --task-data ../shared/tasks --limit 1000 \
           --dtype $DTYPE --max-tokens 4096 --out results/quality/tasks-$step-1000$SUFFIX.json
       done ;;
-    smollm2-spread-524k)  # lever 4's tokens: the plain 262,144-token tune (smollm2-spread-262k's) tuned on for
-      # 262,144 more, beside the carve and the 262k tune (their answers cached by smollm2-spread-262k)
+    smollm2-spread-524k|smollm2-spread-1m)  # lever 4's tokens: the plain 262,144-token tune (smollm2-spread-262k's)
+      # tuned on for 262,144 more, then (1m) 524,288 more again, beside the carve and the shorter tunes (their answers
+      # cached by the earlier steps)
       carve models/smollm2-135m out/smollm2-a50-spread 50
       tuned models/smollm2-135m out/smollm2-a50-spread out/smollm2-a50-spread-262k 262144
       tuned_more models/smollm2-135m out/smollm2-a50-spread-262k out/smollm2-a50-spread-524k 262144 524288
-      .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/smollm2-a50-spread out/smollm2-a50-spread-262k \
-        out/smollm2-a50-spread-524k --task-data ../shared/tasks --limit 1000 --dtype $DTYPE --max-tokens 4096 \
-        --out results/quality/tasks-$step-1000$SUFFIX.json ;;
+      outs=(out/smollm2-a50-spread out/smollm2-a50-spread-262k out/smollm2-a50-spread-524k)
+      if [ $step = smollm2-spread-1m ]; then
+        tuned_more models/smollm2-135m out/smollm2-a50-spread-524k out/smollm2-a50-spread-1m 524288 1048576
+        outs+=(out/smollm2-a50-spread-1m)
+      fi
+      .venv/bin/python scripts/bench_tasks.py models/smollm2-135m "${outs[@]}" --task-data ../shared/tasks \
+        --limit 1000 --dtype $DTYPE --max-tokens 4096 --out results/quality/tasks-$step-1000$SUFFIX.json ;;
     smollm2-spread-262k|smollm2-spread-262k-chat|smollm2-spread-262k-hidden|smollm2-spread-262k-attention|\
     smollm2-spread-262k-routers|qwen05-spread-262k|qwen05-spread-262k-hidden|smollm2-spread-262k-prose|\
     qwen05-spread-262k-prose)  # the spread 50% preset tuned on the preset's 262,144 tokens (the bundled sample and
@@ -310,7 +317,7 @@ for step in ${*:-smollm2-262k}; do
          "smollm2-spread-presets, qwen05-spread-active75, qwen05-spread-active25, smollm2-chat-spread, qwen05-chat-spread," \
          "smollm2-spread-262k, smollm2-spread-262k-chat, smollm2-spread-262k-hidden," \
          "smollm2-spread-262k-attention, smollm2-spread-262k-routers, qwen05-spread-262k, qwen05-spread-262k-hidden," \
-         "smollm2-spread-262k-prose, qwen05-spread-262k-prose, smollm2-spread-active75-262k, smollm2-spread-524k)" >&2
+         "smollm2-spread-262k-prose, qwen05-spread-262k-prose, smollm2-spread-active75-262k, smollm2-spread-524k, smollm2-spread-1m)" >&2
        exit 2 ;;
   esac
 done
