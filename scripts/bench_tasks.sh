@@ -84,20 +84,17 @@ carve() {  # SRC OUT PRESET [FLAGS...]: the training-free carve, unless it is th
 lever() {  # PRESET KEY VALUE: out/levers/PRESET-KEY-VALUE.toml, the preset with one key set (a lever to measure)
   { echo "$2 = \"$3\""; cat "configs/$1.toml"; } > "out/levers/$1-$2-$3.toml"
 }
-tuned() {  # SRC CARVE OUT TOKENS [FLAGS...]: the carve tuned on TOKENS, resumed if a run was interrupted
-  if [ -d "$3.moeify-tune" ]; then
-    .venv/bin/moeify tune "$1" "$3" --resume
-  elif ! grep -q '"tuning"' "$3/report.json" 2>/dev/null; then
-    rm -rf "$3" && cp -r "$2" "$3" && .venv/bin/moeify tune "$1" "$3" --tokens "$4" "${@:5}"
-  fi
+tokens_of() {  # OUT: the tuning tokens OUT has had in all (0 untuned or absent)
+  .venv/bin/python -c 'import json, sys; print(json.load(open(sys.argv[1])).get("tuning", {}).get("tokens", 0))' \
+    "$1/report.json" 2>/dev/null || echo 0
 }
-tuned_more() {  # SRC FROM OUT TOKENS TOTAL: the tuned output FROM tuned on for TOKENS more (the rest of one cosine,
-  # as `moeify tune` continues by default) into OUT, TOTAL tokens in all; resumed if a run was interrupted
+tuned() {  # SRC FROM OUT TOKENS [FLAGS...]: FROM (a carve, or a tuned output: then the rest of one cosine, as
+  # `moeify tune` continues by default) copied to OUT and tuned on TOKENS more, unless OUT has them; resumed if a run
+  # was interrupted
   if [ -d "$3.moeify-tune" ]; then
     .venv/bin/moeify tune "$1" "$3" --resume
-  elif [ "$(.venv/bin/python -c 'import json, sys; print(json.load(open(sys.argv[1]))["tuning"]["tokens"])' \
-        "$3/report.json" 2>/dev/null)" != "$5" ]; then
-    rm -rf "$3" && cp -r "$2" "$3" && .venv/bin/moeify tune "$1" "$3" --tokens "$4"
+  elif [ "$(tokens_of "$3")" != $(( $(tokens_of "$2") + $4 )) ]; then
+    rm -rf "$3" && cp -r "$2" "$3" && .venv/bin/moeify tune "$1" "$3" --tokens "$4" "${@:5}"
   fi
 }
 for step in ${*:-smollm2-262k}; do
@@ -276,10 +273,10 @@ for step in ${*:-smollm2-262k}; do
       # cached by the earlier steps)
       carve models/smollm2-135m out/smollm2-a50-spread 50
       tuned models/smollm2-135m out/smollm2-a50-spread out/smollm2-a50-spread-262k 262144
-      tuned_more models/smollm2-135m out/smollm2-a50-spread-262k out/smollm2-a50-spread-524k 262144 524288
+      tuned models/smollm2-135m out/smollm2-a50-spread-262k out/smollm2-a50-spread-524k 262144
       outs=(out/smollm2-a50-spread out/smollm2-a50-spread-262k out/smollm2-a50-spread-524k)
       if [ $step = smollm2-spread-1m ]; then
-        tuned_more models/smollm2-135m out/smollm2-a50-spread-524k out/smollm2-a50-spread-1m 524288 1048576
+        tuned models/smollm2-135m out/smollm2-a50-spread-524k out/smollm2-a50-spread-1m 524288
         outs+=(out/smollm2-a50-spread-1m)
       fi
       .venv/bin/python scripts/bench_tasks.py models/smollm2-135m "${outs[@]}" --task-data ../shared/tasks \
