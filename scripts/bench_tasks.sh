@@ -51,7 +51,8 @@
 #   smollm2-spread-262k-prose, qwen05-spread-262k-prose  lever 3 in the tune: the same tune with real text the
 #                  bundled sample does not hold added (War and Peace's calibration slice, half of it past the sample's,
 #                  and WikiText-2's train.txt, ~300,000 tokens; never the valid.txt the perplexity tables read), so no
-#                  real window repeats much, beside the plain tune (0.5B: ~20 + ~60 min of tuning, ~20 min of tasks)
+#                  real window repeats much, beside the plain tune (0.5B on AVX512-BF16: 13 min carving, 16 + 8 min of
+#                  sampling and teacher targets, 63 min of steps, 14 min of four tasks a model)
 #   smollm2-spread-262k-routers  lever 4's "routers alone first": the same tune with the experts frozen
 #                  (--router-only: what routing alone recovers), beside the plain tune (~30 min + ~10 min)
 #   qwen05-spread-262k  the 0.5B's spread 50% preset tuned on its 262,144 tokens, beside it (~2 h of sampling and
@@ -66,7 +67,10 @@
 #   smollm2-spread-1m  the 524k tune tuned on for 524,288 more (1,048,576 in all), beside the carve and the three
 #                  tunes (not yet run; float32 on the AVX2 CPU: ~45 min of sampling, ~95 min of steps, ~20 min of tasks)
 # PLAIN=0 before a step that pairs a tune with the plain one leaves the plain tune out (beside the carve alone, its
-# result file named ...-vs-carve-1000.json): a fresh machine has the time of one 0.5B tune, not two.
+# result file named ...-vs-carve-1000.json; dense and the tune scored first, the carve then added): a fresh machine
+# has the time of one 0.5B tune, not two. ONLY=arc_easy,piqa,hellaswag,lambada_openai before such a step scores the
+# four tasks retention reads and not ARC-Challenge and BoolQ (near chance on both models): the 0.5B dense
+# model's four in 806 s on 2026-12-04's AVX512-BF16 EPYC.
 # Run it alone (nice is fine): tuning and scoring share nothing with other jobs but the cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -304,9 +308,13 @@ for step in ${*:-smollm2-262k}; do
         *) flags=(--router-only) ;;
       esac
       tuned models/$m $o-spread $o-${step#*-} 262144 "${flags[@]}"
-      .venv/bin/python scripts/bench_tasks.py models/$m $o-spread "${outs[@]}" $o-${step#*-} \
-        --task-data ../shared/tasks --limit 1000 --dtype $DTYPE --max-tokens 4096 \
-        --out results/quality/tasks-$res-1000$SUFFIX.json ;;
+      # PLAIN=0: dense and the tune scored first (their file written), then the carve beside them
+      if [ "${PLAIN:-1}" = 1 ]; then runs=("$o-spread ${outs[*]} $o-${step#*-}"); else
+        runs=("$o-${step#*-}" "$o-spread $o-${step#*-}"); fi
+      for ms in "${runs[@]}"; do
+        .venv/bin/python scripts/bench_tasks.py models/$m $ms --task-data ../shared/tasks --limit 1000 \
+          --dtype $DTYPE --max-tokens 4096 ${ONLY:+--tasks $ONLY} --out results/quality/tasks-$res-1000$SUFFIX.json
+      done ;;
     *) echo "bench_tasks.sh: unknown step $step (smollm2-262k, qwen05-free, qwen05-262k, smollm2-1000," \
          "smollm2-contribution, qwen05-contribution, smollm2-spread-contribution, smollm2-active75, smollm2-dense-layers," \
          "qwen05-1000, qwen05-dense-layers," \
