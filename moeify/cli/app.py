@@ -159,7 +159,7 @@ _HELP = {
     "tune_generated": "Share of the tuning tokens sampled from the dense model itself (label-free: what the teacher "
                       "knows is what the student is taught) [default: 0.5].",
     "tune_text": "More tuning text (.txt/.jsonl) besides --calib and the bundled sample; repeatable. A few hundred "
-                 "thousand tokens of real prose kept more task accuracy on both models measured (BENCHMARKS.md).",
+                 "thousand tokens of real prose kept task accuracy that the default mix alone lost (BENCHMARKS.md).",
     "tune_router": "Also train the routers (exported as plain Mixtral / Qwen2-MoE routers) [default: on].",
     "tune_attention": "Recovery tuning also trains every layer's attention projections and RMSNorm weights (at a third "
                       "of the experts' step), so they adapt to the carved FFNs: 1-2% better on SmolLM2, +10% time, "
