@@ -39,6 +39,8 @@
 #   smollm2-spread-contribution  lever 2 on SmolLM2's spread preset, as qwen05-contribution (~4 + ~10 min)
 #   smollm2-spread-262k  the spread 50% preset tuned on its 262,144 tokens, beside it (~50 min + ~10 min)
 #   smollm2-spread-262k-chat  the same tune with the conversations as its --tune-text (~50 min + ~10 min)
+#   qwen05-spread-262k-chat, -attention, -routers  the 0.5B's versions of SmolLM2's steps of those names (each
+#                  not yet run: with PLAIN=0 about a 0.5B tune, 13 min carving and 3 x 14 min of four tasks)
 #   qwen05-contribution  lever 2 on the second size: the 0.5B's 50% preset (spread windows, as it carves now) with
 #                  its shared expert chosen by contribution, beside the preset (~25 min carving + ~60 min of tasks)
 #   smollm2-spread-262k-hidden  lever 4's objective: the same tune with every layer's output matched too
@@ -61,6 +63,7 @@
 #   smollm2-spread-active75-262k  lever 5 tuned: the active-75 preset's 262,144-token tune against dense, then its
 #                  training-free carve beside them (float32 on an AVX2-only CPU: ~50 min of sampling and tuning,
 #                  ~20 min of tasks a model)
+#   qwen05-spread-active75-262k  the same on the 0.5B (not yet run)
 #   smollm2-spread-524k  lever 4's tokens: smollm2-spread-262k's plain tune tuned on for 262,144 more (524,288 in
 #                  all), beside the carve and the 262k tune (float32 on an AVX2-only CPU: ~22 min of sampling, ~48 min of
 #                  steps, ~20 min of tasks)
@@ -68,8 +71,8 @@
 #                  tunes (not yet run; float32 on the AVX2 CPU: ~45 min of sampling, ~95 min of steps, ~20 min of tasks)
 # PLAIN=0 before a step that pairs a tune with the plain one leaves the plain tune out (beside the carve alone, its
 # result file named ...-vs-carve-1000.json; dense and the tune scored first, the carve then added): a fresh machine
-# has the time of one 0.5B tune, not two. ONLY=arc_easy,piqa,hellaswag,lambada_openai before such a step scores the
-# four tasks retention reads and not ARC-Challenge and BoolQ (near chance on both models): the 0.5B dense
+# has the time of one 0.5B tune, not two. ONLY=arc_easy,piqa,hellaswag,lambada_openai before a 1,000-item step scores
+# the four tasks retention reads and not ARC-Challenge and BoolQ (near chance on both models): the 0.5B dense
 # model's four in 806 s on 2026-12-04's AVX512-BF16 EPYC.
 # Run it alone (nice is fine): tuning and scoring share nothing with other jobs but the cores.
 set -euo pipefail
@@ -101,228 +104,172 @@ tuned() {  # SRC FROM OUT TOKENS [FLAGS...]: FROM (a carve, or a tuned output: t
     rm -rf "$3" && cp -r "$2" "$3" && .venv/bin/moeify tune "$1" "$3" --tokens "$4" "${@:5}"
   fi
 }
+score() {  # RESULT MODEL...: scripts/bench_tasks.py on the first 1,000 items of each task (ONLY: those tasks), the
+  # dense model first, into results/quality/tasks-RESULT-1000[-DTYPE].json
+  local res=$1
+  .venv/bin/python scripts/bench_tasks.py "${@:2}" --task-data ../shared/tasks --limit 1000 --dtype $DTYPE \
+    --max-tokens 4096 ${ONLY:+--tasks $ONLY} --out results/quality/tasks-$res-1000$SUFFIX.json
+}
 for step in ${*:-smollm2-262k}; do
+  # each step's model by its prefix: src the dense checkpoint, m its name, o the stem of its carves' folders
+  case $step in smollm2*) m=smollm2-135m ;; *) m=qwen2.5-coder-0.5b ;; esac
+  src=models/$m o=out/${step%%-*}-a50
   case $step in
     smollm2-262k)
       for p in 50 25; do
-        carve models/smollm2-135m out/smollm2-a$p $p
-        tuned models/smollm2-135m out/smollm2-a$p out/tasks-s$p-262k 262144
+        carve $src out/smollm2-a$p $p
+        tuned $src out/smollm2-a$p out/tasks-s$p-262k 262144
       done
-      .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/tasks-s50-262k out/tasks-s25-262k $TASKS \
+      .venv/bin/python scripts/bench_tasks.py $src out/tasks-s50-262k out/tasks-s25-262k $TASKS \
         --out results/quality/tasks-smollm2-262k-limit100.json ;;
     qwen05-free)
-      for p in 50 25; do carve models/qwen2.5-coder-0.5b out/qwen05-a$p $p; done
-      .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/qwen05-a50 out/qwen05-a25 $TASKS \
+      for p in 50 25; do carve $src out/qwen05-a$p $p; done
+      .venv/bin/python scripts/bench_tasks.py $src out/qwen05-a50 out/qwen05-a25 $TASKS \
         --out results/quality/tasks-qwen05-trainingfree-limit100.json ;;
     qwen05-262k)
       for p in 50 25; do
-        carve models/qwen2.5-coder-0.5b out/qwen05-a$p $p
-        tuned models/qwen2.5-coder-0.5b out/qwen05-a$p out/tasks-q$p-262k 262144
+        carve $src out/qwen05-a$p $p
+        tuned $src out/qwen05-a$p out/tasks-q$p-262k 262144
       done
-      .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/tasks-q50-262k out/tasks-q25-262k $TASKS \
+      .venv/bin/python scripts/bench_tasks.py $src out/tasks-q50-262k out/tasks-q25-262k $TASKS \
         --out results/quality/tasks-qwen05-262k-limit100.json ;;
     smollm2-1000)
-      carve models/smollm2-135m out/smollm2-a50 50
-      carve models/smollm2-135m out/smollm2-a50-seed1 50 --seed 1
-      carve models/smollm2-135m out/smollm2-a25 25
-      .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/smollm2-a50 out/smollm2-a50-seed1 \
-        out/smollm2-a25 --task-data ../shared/tasks --limit 1000 --dtype $DTYPE --max-tokens 4096 \
-        --out results/quality/tasks-smollm2-trainingfree-1000$SUFFIX.json ;;
+      carve $src $o 50
+      carve $src $o-seed1 50 --seed 1
+      carve $src out/smollm2-a25 25
+      score smollm2-trainingfree $src $o $o-seed1 out/smollm2-a25 ;;
     smollm2-contribution)  # the shared expert by contribution, against the 50% preset and its --seed 1 twin
-      carve models/smollm2-135m out/smollm2-a50 50
-      carve models/smollm2-135m out/smollm2-a50-seed1 50 --seed 1
+      carve $src $o 50
+      carve $src $o-seed1 50 --seed 1
       lever active-50 shared_by contribution
-      carve models/smollm2-135m out/smollm2-a50-contribution out/levers/active-50-shared_by-contribution
-      .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/smollm2-a50 out/smollm2-a50-seed1 \
-        out/smollm2-a50-contribution --task-data ../shared/tasks --limit 1000 --dtype $DTYPE --max-tokens 4096 \
-        --out results/quality/tasks-smollm2-contribution-1000$SUFFIX.json ;;
+      carve $src $o-contribution out/levers/active-50-shared_by-contribution
+      score $step $src $o $o-seed1 $o-contribution ;;
     qwen05-contribution|smollm2-spread-contribution)  # the shared expert by contribution, against the preset as it
       # carves now (spread windows)
-      if [ ${step%%-*} = smollm2 ]; then m=smollm2-135m; else m=qwen2.5-coder-0.5b; fi
-      o=out/${step%%-*}-a50-spread
-      carve models/$m $o 50
+      carve $src $o-spread 50
       lever active-50 shared_by contribution
-      carve models/$m $o-contribution out/levers/active-50-shared_by-contribution
-      .venv/bin/python scripts/bench_tasks.py models/$m $o $o-contribution --task-data ../shared/tasks --limit 1000 \
-        --dtype $DTYPE --max-tokens 4096 --out results/quality/tasks-$step-1000$SUFFIX.json ;;
+      carve $src $o-spread-contribution out/levers/active-50-shared_by-contribution
+      score $step $src $o-spread $o-spread-contribution ;;
     smollm2-active75)  # a 75% layout (half of d_ff shared + top-12 of 24 routed on SmolLM2), beside the presets
       sed -e 's/^active = 0.5$/active = 0.75/' -e 's/^shared = 0.25$/shared = 0.5/' configs/active-50.toml \
         > out/levers/active-75.toml
-      carve models/smollm2-135m out/smollm2-a75 out/levers/active-75
-      .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/smollm2-a50 out/smollm2-a25 out/smollm2-a75 \
-        --task-data ../shared/tasks --limit 1000 --dtype $DTYPE --max-tokens 4096 \
-        --out results/quality/tasks-smollm2-active75-1000$SUFFIX.json ;;
-    smollm2-dense-layers)  # lever 1 at equal compute: the 2 layers of largest carve error kept dense (auto:2), the
-      # others' routed top-k 12 -> 10 of 36 (49.4% average active, the preset 50.0%); transformers and vLLM only
-      carve models/smollm2-135m out/smollm2-a50 50
-      carve models/smollm2-135m out/smollm2-a50-seed1 50 --seed 1
+      carve $src out/smollm2-a75 out/levers/active-75
+      score $step $src $o out/smollm2-a25 out/smollm2-a75 ;;
+    smollm2-dense-layers|qwen05-dense-layers)  # lever 1 at equal compute: the 2 layers of largest carve error kept
+      # dense (auto:2), fewer routed elsewhere (SmolLM2: top-10 of 36, 49.4% average active, the preset 50.0%; the
+      # 0.5B: top-7 of 28, report.json: 0.515x the dense FFN FLOPs, the preset 0.502x), beside the preset and its
+      # --seed 1 twin; transformers and vLLM only
+      if [ $step = smollm2-dense-layers ]; then k=10; else k=7; fi
+      carve $src $o 50
+      carve $src $o-seed1 50 --seed 1
       sed -e 's/^targets = .*/targets = ["transformers", "vllm"]/' configs/active-50.toml \
-        > out/levers/active-50-dense_layers-auto2-top10.toml
-      carve models/smollm2-135m out/smollm2-a50-dense2 out/levers/active-50-dense_layers-auto2-top10 \
-        --dense-layers auto:2 --top-k 10
-      .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/smollm2-a50 out/smollm2-a50-seed1 \
-        out/smollm2-a50-dense2 --task-data ../shared/tasks --limit 1000 --dtype $DTYPE --max-tokens 4096 \
-        --out results/quality/tasks-smollm2-dense-layers-1000$SUFFIX.json ;;
+        > out/levers/active-50-dense_layers-auto2-top$k.toml
+      carve $src $o-dense2 out/levers/active-50-dense_layers-auto2-top$k --dense-layers auto:2 --top-k $k
+      score $step $src $o $o-seed1 $o-dense2 ;;
     qwen05-1000)  # the dense model and the 50% preset first (their file written), then its --seed 1 twin beside them
-      carve models/qwen2.5-coder-0.5b out/qwen05-a50 50
-      .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/qwen05-a50 \
-        --task-data ../shared/tasks --limit 1000 --dtype $DTYPE --max-tokens 4096 \
-        --out results/quality/tasks-qwen05-trainingfree-1000$SUFFIX.json
-      carve models/qwen2.5-coder-0.5b out/qwen05-a50-seed1 50 --seed 1
-      .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/qwen05-a50 out/qwen05-a50-seed1 \
-        --task-data ../shared/tasks --limit 1000 --dtype $DTYPE --max-tokens 4096 \
-        --out results/quality/tasks-qwen05-trainingfree-1000$SUFFIX.json ;;
-    qwen05-dense-layers)  # lever 1 on the second size: 2 dense layers of 24 (auto:2), shared 10 + top-7 of 28 routed
-      # of 38 slices elsewhere (report.json: 0.515x the dense FFN FLOPs, the preset 0.502x)
-      carve models/qwen2.5-coder-0.5b out/qwen05-a50 50
-      carve models/qwen2.5-coder-0.5b out/qwen05-a50-seed1 50 --seed 1
-      sed -e 's/^targets = .*/targets = ["transformers", "vllm"]/' configs/active-50.toml \
-        > out/levers/active-50-dense_layers-auto2-top7.toml
-      carve models/qwen2.5-coder-0.5b out/qwen05-a50-dense2 out/levers/active-50-dense_layers-auto2-top7 \
-        --dense-layers auto:2 --top-k 7
-      .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/qwen05-a50 out/qwen05-a50-seed1 \
-        out/qwen05-a50-dense2 --task-data ../shared/tasks --limit 1000 --dtype $DTYPE --max-tokens 4096 \
-        --out results/quality/tasks-qwen05-dense-layers-1000$SUFFIX.json ;;
-    qwen05-active75)  # the active-75 preset on the second size, beside the 50% preset (its answers cached)
-      carve models/qwen2.5-coder-0.5b out/qwen05-a50 50
-      carve models/qwen2.5-coder-0.5b out/qwen05-a75 75
-      .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/qwen05-a50 \
-        out/qwen05-a75 --task-data ../shared/tasks --limit 1000 --dtype $DTYPE --max-tokens 4096 \
-        --out results/quality/tasks-qwen05-active75-1000$SUFFIX.json ;;
-    qwen05-active25)  # the 0.5B's 25% preset at 1,000 items, beside the 50% one (its answers cached)
-      carve models/qwen2.5-coder-0.5b out/qwen05-a50 50
-      carve models/qwen2.5-coder-0.5b out/qwen05-a25 25
-      .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/qwen05-a50 \
-        out/qwen05-a25 --task-data ../shared/tasks --limit 1000 --dtype $DTYPE --max-tokens 4096 \
-        --out results/quality/tasks-qwen05-active25-1000$SUFFIX.json ;;
-    smollm2-chat)  # lever 3: calibrated on half the bundled sample's first tokens, half conversations SmolLM2 writes
-      # itself from its chat template (scripts/chat_text.py), beside the preset and its seed-1 twin
-      carve models/smollm2-135m out/smollm2-a50 50
-      carve models/smollm2-135m out/smollm2-a50-seed1 50 --seed 1
-      [ -f out/levers/chat-smollm2-135m.txt ] || .venv/bin/python scripts/chat_text.py models/smollm2-135m \
-        out/levers/chat-smollm2-135m.txt --tokens 12288 --prefix moeify/data/calib_sample.txt --prefix-tokens 8192
-      carve models/smollm2-135m out/smollm2-a50-chat 50 --calib out/levers/chat-smollm2-135m.txt
-      .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/smollm2-a50 out/smollm2-a50-seed1 \
-        out/smollm2-a50-chat --task-data ../shared/tasks --limit 1000 --dtype $DTYPE --max-tokens 4096 \
-        --out results/quality/tasks-smollm2-chat-1000$SUFFIX.json ;;
-    qwen05-chat)  # lever 3 on the second size: the 0.5B's own conversations as half its calibration text
-      carve models/qwen2.5-coder-0.5b out/qwen05-a50 50
-      carve models/qwen2.5-coder-0.5b out/qwen05-a50-seed1 50 --seed 1
-      [ -f out/levers/chat-qwen2.5-coder-0.5b.txt ] || .venv/bin/python scripts/chat_text.py \
-        models/qwen2.5-coder-0.5b out/levers/chat-qwen2.5-coder-0.5b.txt --tokens 12288 \
-        --prefix moeify/data/calib_sample.txt --prefix-tokens 8192
-      carve models/qwen2.5-coder-0.5b out/qwen05-a50-chat 50 --calib out/levers/chat-qwen2.5-coder-0.5b.txt
-      .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/qwen05-a50 out/qwen05-a50-seed1 \
-        out/qwen05-a50-chat --task-data ../shared/tasks --limit 1000 --dtype $DTYPE --max-tokens 4096 \
-        --out results/quality/tasks-qwen05-chat-1000$SUFFIX.json ;;
+      carve $src $o 50
+      score qwen05-trainingfree $src $o
+      carve $src $o-seed1 50 --seed 1
+      score qwen05-trainingfree $src $o $o-seed1 ;;
+    qwen05-active75|qwen05-active25)  # the 0.5B's active-75 or active-25 preset at 1,000 items, beside the 50% one
+      # (its answers cached)
+      p=${step##*active}
+      carve $src $o 50
+      carve $src out/qwen05-a$p $p
+      score $step $src $o out/qwen05-a$p ;;
+    smollm2-chat|qwen05-chat)  # lever 3: calibrated on half the bundled sample's first tokens, half conversations the
+      # model writes itself from its chat template (scripts/chat_text.py), beside the preset and its seed-1 twin
+      carve $src $o 50
+      carve $src $o-seed1 50 --seed 1
+      [ -f out/levers/chat-$m.txt ] || .venv/bin/python scripts/chat_text.py $src out/levers/chat-$m.txt \
+        --tokens 12288 --prefix moeify/data/calib_sample.txt --prefix-tokens 8192
+      carve $src $o-chat 50 --calib out/levers/chat-$m.txt
+      score $step $src $o $o-seed1 $o-chat ;;
     smollm2-genres)  # lever 3's control: half the bundled sample's WikiText, half its other genre (War and Peace),
       # the same share of other text as smollm2-chat, real prose instead of conversations
-      carve models/smollm2-135m out/smollm2-a50 50
-      carve models/smollm2-135m out/smollm2-a50-seed1 50 --seed 1
+      carve $src $o 50
+      carve $src $o-seed1 50 --seed 1
       sed -n '321,$p' moeify/data/calib_sample.txt > out/levers/war-and-peace.txt  # after the blank line between
-      .venv/bin/python scripts/chat_text.py models/smollm2-135m out/levers/genres-smollm2-135m.txt \
+      .venv/bin/python scripts/chat_text.py $src out/levers/genres-$m.txt \
         --prefix moeify/data/calib_sample.txt --prefix-tokens 8192 --control out/levers/war-and-peace.txt
-      carve models/smollm2-135m out/smollm2-a50-genres 50 --calib out/levers/genres-smollm2-135m.txt
-      .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/smollm2-a50 out/smollm2-a50-seed1 \
-        out/smollm2-a50-genres --task-data ../shared/tasks --limit 1000 --dtype $DTYPE --max-tokens 4096 \
-        --out results/quality/tasks-smollm2-genres-1000$SUFFIX.json ;;
+      carve $src $o-genres 50 --calib out/levers/genres-$m.txt
+      score $step $src $o $o-seed1 $o-genres ;;
     smollm2-spread|qwen05-spread)  # the presets' 16,384 calibration tokens spread over the whole bundled sample
       # (both genres; moeify/formats/text.py calibration_tokens) instead of its head, beside the head-calibrated
       # preset and its seed-1 twin carved before that change (their answers cached)
-      if [ $step = smollm2-spread ]; then src=models/smollm2-135m o=out/smollm2-a50; else
-        src=models/qwen2.5-coder-0.5b o=out/qwen05-a50; fi
       for d in $o $o-seed1; do [ -f $d/report.json ] || { echo "needs $d carved before the spread change" >&2; exit 2; }; done
       carve $src $o-spread 50
-      .venv/bin/python scripts/bench_tasks.py $src $o $o-seed1 $o-spread --task-data ../shared/tasks --limit 1000 \
-        --dtype $DTYPE --max-tokens 4096 --out results/quality/tasks-${step%-spread}-spread-1000$SUFFIX.json ;;
+      score $step $src $o $o-seed1 $o-spread ;;
     smollm2-spread-presets)  # the 75% and 25% presets calibrated as the 50% one now is (spread), beside it
-      carve models/smollm2-135m out/smollm2-a50-spread 50
-      carve models/smollm2-135m out/smollm2-a75-spread 75
-      carve models/smollm2-135m out/smollm2-a25-spread 25
-      .venv/bin/python scripts/bench_tasks.py models/smollm2-135m out/smollm2-a50-spread out/smollm2-a75-spread \
-        out/smollm2-a25-spread --task-data ../shared/tasks --limit 1000 --dtype $DTYPE --max-tokens 4096 \
-        --out results/quality/tasks-smollm2-spread-presets-1000$SUFFIX.json ;;
+      carve $src $o-spread 50
+      carve $src out/smollm2-a75-spread 75
+      carve $src out/smollm2-a25-spread 25
+      score $step $src $o-spread out/smollm2-a75-spread out/smollm2-a25-spread ;;
     qwen05-spread-active75|qwen05-spread-active25)  # the 0.5B's active-75 or active-25 preset calibrated spread,
       # beside the spread 50% one
       p=${step##*active}
-      carve models/qwen2.5-coder-0.5b out/qwen05-a50-spread 50
-      carve models/qwen2.5-coder-0.5b out/qwen05-a$p-spread $p
-      .venv/bin/python scripts/bench_tasks.py models/qwen2.5-coder-0.5b out/qwen05-a50-spread out/qwen05-a$p-spread \
-        --task-data ../shared/tasks --limit 1000 --dtype $DTYPE --max-tokens 4096 \
-        --out results/quality/tasks-$step-1000$SUFFIX.json ;;
+      carve $src $o-spread 50
+      carve $src out/qwen05-a$p-spread $p
+      score $step $src $o-spread out/qwen05-a$p-spread ;;
     smollm2-chat-spread|qwen05-chat-spread)  # lever 3 on top of the spread windows: the calibration text half the
       # bundled sample (512-token windows spread over it, as the presets read it) and half the conversations the model
       # wrote itself from its chat template (the ones smollm2-chat / qwen05-chat used: 12,877 / 14,930 tokens), so
       # that the preset's 16,384 windows, spread over the mix, take half of each
-      if [ $step = smollm2-chat-spread ]; then m=smollm2-135m o=out/smollm2-a50 n=12800; else
-        m=qwen2.5-coder-0.5b o=out/qwen05-a50 n=14848; fi
+      if [ $step = smollm2-chat-spread ]; then n=12800; else n=14848; fi
       conv=out/levers/conversations-$m.txt
-      [ -f $conv ] || .venv/bin/python scripts/chat_text.py models/$m $conv --tokens 12288
-      .venv/bin/python scripts/chat_text.py models/$m out/levers/chat-spread-$m.txt \
+      [ -f $conv ] || .venv/bin/python scripts/chat_text.py $src $conv --tokens 12288
+      .venv/bin/python scripts/chat_text.py $src out/levers/chat-spread-$m.txt \
         --prefix moeify/data/calib_sample.txt --prefix-tokens $n --spread --control $conv
-      carve models/$m $o-spread 50
-      carve models/$m $o-chat-spread 50 --calib out/levers/chat-spread-$m.txt
-      .venv/bin/python scripts/bench_tasks.py models/$m $o-spread $o-chat-spread --task-data ../shared/tasks \
-        --limit 1000 --dtype $DTYPE --max-tokens 4096 --out results/quality/tasks-$step-1000$SUFFIX.json ;;
-    smollm2-spread-active75-262k)  # the active-75 preset (calibrated spread) tuned on its 262,144 tokens: dense and
-      # the tune scored first (their file written), then the training-free carve beside them (the others cached)
-      carve models/smollm2-135m out/smollm2-a75-spread 75
-      tuned models/smollm2-135m out/smollm2-a75-spread out/smollm2-a75-spread-262k 262144
-      for ms in "out/smollm2-a75-spread-262k" "out/smollm2-a75-spread out/smollm2-a75-spread-262k"; do
-        .venv/bin/python scripts/bench_tasks.py models/smollm2-135m $ms --task-data ../shared/tasks --limit 1000 \
-          --dtype $DTYPE --max-tokens 4096 --out results/quality/tasks-$step-1000$SUFFIX.json
-      done ;;
+      carve $src $o-spread 50
+      carve $src $o-chat-spread 50 --calib out/levers/chat-spread-$m.txt
+      score $step $src $o-spread $o-chat-spread ;;
+    smollm2-spread-active75-262k|qwen05-spread-active75-262k)  # the active-75 preset (calibrated spread) tuned on
+      # its 262,144 tokens: dense and the tune scored first (their file written), then the training-free carve beside
+      # them (the others cached)
+      a=out/${step%%-*}-a75-spread
+      carve $src $a 75
+      tuned $src $a $a-262k 262144
+      score $step $src $a-262k
+      score $step $src $a $a-262k ;;
     smollm2-spread-524k|smollm2-spread-1m)  # lever 4's tokens: the plain 262,144-token tune (smollm2-spread-262k's)
       # tuned on for 262,144 more, then (1m) 524,288 more again, beside the carve and the shorter tunes (their answers
       # cached by the earlier steps)
-      carve models/smollm2-135m out/smollm2-a50-spread 50
-      tuned models/smollm2-135m out/smollm2-a50-spread out/smollm2-a50-spread-262k 262144
-      tuned models/smollm2-135m out/smollm2-a50-spread-262k out/smollm2-a50-spread-524k 262144
-      outs=(out/smollm2-a50-spread out/smollm2-a50-spread-262k out/smollm2-a50-spread-524k)
+      carve $src $o-spread 50
+      tuned $src $o-spread $o-spread-262k 262144
+      tuned $src $o-spread-262k $o-spread-524k 262144
+      outs=($o-spread $o-spread-262k $o-spread-524k)
       if [ $step = smollm2-spread-1m ]; then
-        tuned models/smollm2-135m out/smollm2-a50-spread-524k out/smollm2-a50-spread-1m 524288
-        outs+=(out/smollm2-a50-spread-1m)
+        tuned $src $o-spread-524k $o-spread-1m 524288
+        outs+=($o-spread-1m)
       fi
-      .venv/bin/python scripts/bench_tasks.py models/smollm2-135m "${outs[@]}" --task-data ../shared/tasks \
-        --limit 1000 --dtype $DTYPE --max-tokens 4096 --out results/quality/tasks-$step-1000$SUFFIX.json ;;
-    smollm2-spread-262k|smollm2-spread-262k-chat|smollm2-spread-262k-hidden|smollm2-spread-262k-attention|\
-    smollm2-spread-262k-routers|qwen05-spread-262k|qwen05-spread-262k-hidden|smollm2-spread-262k-prose|\
-    qwen05-spread-262k-prose)  # the spread 50% preset tuned on the preset's 262,144 tokens (the bundled sample and
-      # 131,072 tokens sampled by the dense model), or with the conversations or more real text as its tuning text, or
-      # with each layer's output matched as well, or with attention and norms trained too, or its routers alone; all
+      score $step $src "${outs[@]}" ;;
+    smollm2-spread-262k*|qwen05-spread-262k*)  # the spread 50% preset tuned
+      # on the preset's 262,144 tokens (the bundled sample and 131,072 tokens sampled by the dense model), or with the
+      # conversations (-chat) or more real text (-prose) as its tuning text, or with each layer's output matched as
+      # well (-hidden), or with attention and norms trained too (-attention), or its routers alone (-routers); all
       # but the conversations beside the plain tune in the same run (a machine moves retention by up to 3 points:
       # compare within one run)
-      if [ ${step%%-*} = smollm2 ]; then m=smollm2-135m; else m=qwen2.5-coder-0.5b; fi
-      o=out/${step%%-*}-a50
-      carve models/$m $o-spread 50
-      outs=() res=$step
-      case $step in *-262k|*-chat) ;; *)
-        if [ "${PLAIN:-1}" = 1 ]; then tuned models/$m $o-spread $o-spread-262k 262144; outs=($o-spread-262k)
-        else res=$step-vs-carve; fi ;;
-      esac
       case $step in *-262k) flags=() ;; *-chat) flags=(--tune-text out/levers/conversations-$m.txt)
-          [ -f ${flags[1]} ] || .venv/bin/python scripts/chat_text.py models/$m ${flags[1]} --tokens 12288 ;;
+          [ -f ${flags[1]} ] || .venv/bin/python scripts/chat_text.py $src ${flags[1]} --tokens 12288 ;;
         *-hidden) flags=(--hidden-weight 16) ;; *-attention) flags=(--tune-attention) ;;
         *-prose) flags=(--tune-text ../shared/corpora/war_and_peace/calib_train_200k.txt
           --tune-text ../shared/corpora/wikitext2/train.txt) ;;
-        *) flags=(--router-only) ;;
+        *-routers) flags=(--router-only) ;;
+        *) echo "bench_tasks.sh: unknown step $step" >&2; exit 2 ;;
       esac
-      tuned models/$m $o-spread $o-${step#*-} 262144 "${flags[@]}"
+      carve $src $o-spread 50
+      outs=() res=$step
+      case $step in *-262k|*-chat) ;; *)
+        if [ "${PLAIN:-1}" = 1 ]; then tuned $src $o-spread $o-spread-262k 262144; outs=($o-spread-262k)
+        else res=$step-vs-carve; fi ;;
+      esac
+      tuned $src $o-spread $o-${step#*-} 262144 "${flags[@]}"
       # PLAIN=0: dense and the tune scored first (their file written), then the carve beside them
-      if [ "${PLAIN:-1}" = 1 ]; then runs=("$o-spread ${outs[*]} $o-${step#*-}"); else
-        runs=("$o-${step#*-}" "$o-spread $o-${step#*-}"); fi
-      for ms in "${runs[@]}"; do
-        .venv/bin/python scripts/bench_tasks.py models/$m $ms --task-data ../shared/tasks --limit 1000 \
-          --dtype $DTYPE --max-tokens 4096 ${ONLY:+--tasks $ONLY} --out results/quality/tasks-$res-1000$SUFFIX.json
-      done ;;
-    *) echo "bench_tasks.sh: unknown step $step (smollm2-262k, qwen05-free, qwen05-262k, smollm2-1000," \
-         "smollm2-contribution, qwen05-contribution, smollm2-spread-contribution, smollm2-active75, smollm2-dense-layers," \
-         "qwen05-1000, qwen05-dense-layers," \
-         "qwen05-active75, qwen05-active25, smollm2-chat, qwen05-chat, smollm2-genres, smollm2-spread, qwen05-spread," \
-         "smollm2-spread-presets, qwen05-spread-active75, qwen05-spread-active25, smollm2-chat-spread, qwen05-chat-spread," \
-         "smollm2-spread-262k, smollm2-spread-262k-chat, smollm2-spread-262k-hidden," \
-         "smollm2-spread-262k-attention, smollm2-spread-262k-routers, qwen05-spread-262k, qwen05-spread-262k-hidden," \
-         "smollm2-spread-262k-prose, qwen05-spread-262k-prose, smollm2-spread-active75-262k, smollm2-spread-524k, smollm2-spread-1m)" >&2
+      if [ "${PLAIN:-1}" = 1 ]; then score $res $src $o-spread "${outs[@]}" $o-${step#*-}; else
+        score $res $src $o-${step#*-}
+        score $res $src $o-spread $o-${step#*-}
+      fi ;;
+    *) echo "bench_tasks.sh: unknown step $step (the steps are listed at the top of scripts/bench_tasks.sh)" >&2
        exit 2 ;;
   esac
 done

@@ -1,0 +1,101 @@
+"""scripts/bench_tasks.sh, the task-retention driver, run with stand-ins for moeify and Python that log their
+command lines: what each step carves, tunes and scores, in which order, and that it refuses an unknown step before
+any work. (The measurements themselves take hours; what they run is checked here.)"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MOEIFY = """#!/bin/bash
+echo "moeify $*" >> "$LOG"
+case $1 in
+  convert) mkdir -p "$3"; echo '{}' > "$3/report.json" ;;
+  tune) n=0; args=("$@")
+    for i in "${!args[@]}"; do [ "${args[$i]}" = --tokens ] && n=${args[$((i+1))]}; done
+    prev=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1])).get("tuning",{}).get("tokens",0))' \\
+      "$3/report.json")
+    echo "{\\"tuning\\": {\\"tokens\\": $((prev + n))}}" > "$3/report.json" ;;
+esac
+"""
+PYTHON = """#!/bin/bash
+[ "$1" = -c ] && exec "$REAL_PYTHON" "$@"
+echo "python $*" >> "$LOG"
+[ "$1" = scripts/chat_text.py ] && touch "$3"
+exit 0
+"""
+
+
+@pytest.fixture()
+def stub(tmp_path):
+    """A checkout holding the script and the presets, with .venv/bin/{moeify,python} logging instead of working."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "bench_tasks.sh", tmp_path / "scripts")
+    shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    bin_ = tmp_path / ".venv" / "bin"
+    bin_.mkdir(parents=True)
+    for name, text in (("moeify", MOEIFY), ("python", PYTHON)):
+        (bin_ / name).write_text(text)
+        (bin_ / name).chmod(0o755)
+    return tmp_path
+
+
+def run(stub: Path, *steps: str, **env: str) -> tuple[int, list[str], str]:
+    log = stub / "log"
+    log.write_text("")
+    env = {**os.environ, "LOG": str(log), "REAL_PYTHON": sys.executable, **env}
+    done = subprocess.run(["bash", str(stub / "scripts" / "bench_tasks.sh"), *steps], env=env, capture_output=True,
+                          text=True, timeout=60)
+    return done.returncode, log.read_text().splitlines(), done.stderr
+
+
+SCORE = "--task-data ../shared/tasks --limit 1000 --dtype bfloat16 --max-tokens 4096"
+
+
+def test_a_lever_tune_on_the_05b_beside_its_carve_alone(stub):
+    """PLAIN=0: the carve, the lever's tune, then dense and the tune scored (the file written), then the carve added;
+    ONLY restricts the tasks; a second run finds everything done and only scores (the answers are cached there)."""
+    code, log, err = run(stub, "qwen05-spread-262k-hidden", PLAIN="0", ONLY="arc_easy,piqa")
+    assert code == 0, err
+    src, out = "models/qwen2.5-coder-0.5b", "results/quality/tasks-qwen05-spread-262k-hidden-vs-carve-1000.json"
+    assert log == [
+        f"moeify convert {src} out/qwen05-a50-spread --preset configs/active-50.toml --no-tune --overwrite",
+        f"moeify tune {src} out/qwen05-a50-spread-262k-hidden --tokens 262144 --hidden-weight 16",
+        f"python scripts/bench_tasks.py {src} out/qwen05-a50-spread-262k-hidden {SCORE} --tasks arc_easy,piqa "
+        f"--out {out}",
+        f"python scripts/bench_tasks.py {src} out/qwen05-a50-spread out/qwen05-a50-spread-262k-hidden {SCORE} "
+        f"--tasks arc_easy,piqa --out {out}",
+    ]
+    code, again, _ = run(stub, "qwen05-spread-262k-hidden", PLAIN="0", ONLY="arc_easy,piqa")
+    assert code == 0 and again == log[2:]
+
+
+def test_the_plain_tune_is_paired_in_and_continuations_add_their_tokens(stub):
+    """Without PLAIN=0 a lever's tune is scored beside the plain tune; smollm2-spread-1m tunes 262k, 262k more, then
+    524k more, each from the last (float32 result files named so)."""
+    code, log, err = run(stub, "smollm2-spread-262k-routers", "smollm2-spread-1m", DTYPE="float32")
+    assert code == 0, err
+    tunes = [line.split()[3:] for line in log if line.startswith("moeify tune")]
+    assert tunes == [["out/smollm2-a50-spread-262k", "--tokens", "262144"],
+                     ["out/smollm2-a50-spread-262k-routers", "--tokens", "262144", "--router-only"],
+                     ["out/smollm2-a50-spread-524k", "--tokens", "262144"],
+                     ["out/smollm2-a50-spread-1m", "--tokens", "524288"]]
+    scores = [line for line in log if "bench_tasks.py" in line]
+    assert scores[0].split(" --task-data")[0].endswith(
+        "out/smollm2-a50-spread out/smollm2-a50-spread-262k out/smollm2-a50-spread-262k-routers")
+    assert scores[1].endswith("--out results/quality/tasks-smollm2-spread-1m-1000-float32.json")
+    assert "--dtype float32" in scores[1] and "--tasks" not in scores[1]
+
+
+@pytest.mark.parametrize("step", ["qwen05-spread-262k-bogus", "smollm2-nothing"])
+def test_an_unknown_step_is_refused_before_any_work(stub, step):
+    code, log, err = run(stub, step)
+    assert code == 2 and log == []
+    assert f"unknown step {step}" in err
