@@ -59,7 +59,8 @@
 #                  (--router-only: what routing alone recovers), beside the plain tune (~30 min + ~10 min)
 #   qwen05-spread-262k  the 0.5B's spread 50% preset tuned on its 262,144 tokens, beside it (~2 h of sampling and
 #                  tuning + ~20 min of tasks, its dense and carve answers cached by qwen05-contribution)
-#   qwen05-spread-262k-hidden  lever 4's layer matching on the 0.5B, beside the plain tune (~2 h 20 min + ~20 min)
+#   qwen05-spread-262k-hidden  lever 4's layer matching on the 0.5B, beside the plain tune (with PLAIN=0 ONLY=the four on
+#                  2026-12-07's AVX512-BF16 EPYC: 13 min carving, 16 min sampling, 72 min of steps, 13-14 min a model)
 #   smollm2-spread-active75-262k  lever 5 tuned: the active-75 preset's 262,144-token tune against dense, then its
 #                  training-free carve beside them (float32 on an AVX2-only CPU: ~50 min of sampling and tuning,
 #                  ~20 min of tasks a model)
