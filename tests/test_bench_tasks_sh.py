@@ -20,7 +20,7 @@ case $1 in
   convert) mkdir -p "$3"; echo '{}' > "$3/report.json" ;;
   tune) n=0; args=("$@")
     for i in "${!args[@]}"; do [ "${args[$i]}" = --tokens ] && n=${args[$((i+1))]}; done
-    prev=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1])).get("tuning",{}).get("tokens",0))' \\
+    prev=$("$REAL_PYTHON" -c 'import json,sys; print(json.load(open(sys.argv[1])).get("tuning",{}).get("tokens",0))' \\
       "$3/report.json")
     echo "{\\"tuning\\": {\\"tokens\\": $((prev + n))}}" > "$3/report.json" ;;
 esac
