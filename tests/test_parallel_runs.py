@@ -5,7 +5,6 @@ The ranks are held back by tests/held_back.py (moeify's CLI with Parallel.arrive
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -13,8 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from conftest import build_dense, built_once
 from moeify.formats.config import build_config
@@ -22,8 +19,8 @@ from moeify.carving.conversion import plan_conversion, run_conversion
 from moeify.errors import MoeifyError
 from moeify.training.parallel import DEFAULT_TIMEOUT, Parallel, collective_timeout
 from test_calibrate import CALIB
+from tuning_fixtures import assert_identical, copy_output, held_back_cmd
 
-HELD_BACK = Path(__file__).with_name("held_back.py")
 # 4 steps of 1,024 tokens on the real text only (no sampled text: rank 0 writes the tuning text at once, the race
 # of the issue this file tests), a snapshot after every step
 FLAGS = ["--tokens", "4096", "--tune-generated", "0", "--lr", "0.02", "--save-every", "0"]
@@ -36,7 +33,7 @@ def runs(tmp_path_factory, tokenizer_dir):
     def build(root: Path) -> None:
         dense = build_dense(root / "dense", tokenizer_dir, num_hidden_layers=3, initializer_range=0.3)
         run_conversion(plan_conversion(dense, build_config(experts=4, top_k=2, **CALIB)), root / "carve")
-        ref = _copy(root / "carve", root / "reference")
+        ref = copy_output(root / "carve", root / "reference")
         res = _torchrun(["tune", str(dense), str(ref), *FLAGS])
         assert res.returncode == 0, res.stderr[-3000:]
 
@@ -44,31 +41,14 @@ def runs(tmp_path_factory, tokenizer_dir):
     return root / "dense", root / "carve", root / "reference"
 
 
-def _copy(carve: Path, to: Path) -> Path:
-    shutil.copytree(carve, to)
-    return to
-
-
 def _env(hold: str = "", **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOEIFY_")}
     return {**env, "OMP_NUM_THREADS": "1", "MOEIFY_TEST_HOLD": hold, **extra}
 
 
-def _torchrun_cmd(args: list[str], launcher: tuple[str, ...] = ()) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *launcher,
-            str(HELD_BACK), *args]
-
-
 def _torchrun(args: list[str], hold: str = "", launcher: tuple[str, ...] = (), **env) -> subprocess.CompletedProcess:
-    return subprocess.run(_torchrun_cmd(args, launcher), env=_env(hold, **env), capture_output=True, text=True,
+    return subprocess.run(held_back_cmd(args, launcher), env=_env(hold, **env), capture_output=True, text=True,
                           timeout=600)
-
-
-def _assert_same_weights(a: Path, b: Path) -> None:
-    ta, tb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
-    assert ta.keys() == tb.keys()
-    different = [n for n in ta if not torch.equal(ta[n], tb[n])]
-    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
 
 
 def _lines(text: str, start: str) -> list[str]:
@@ -82,12 +62,12 @@ def test_a_rank_held_back_at_every_phase_finishes_as_the_undelayed_run(runs, tmp
     bit. (Before the fix, rank 1 held back here found the tuning text rank 0 had written, skipped the barrier rank 0
     waited at, and both waited for ever.)"""
     dense, carve, ref = runs
-    out = _copy(carve, tmp_path / "out")
+    out = copy_output(carve, tmp_path / "out")
     hold = ";".join(f"{rank}|{phase}|1.5" for phase in PHASES)
     res = _torchrun(["tune", str(dense), str(out), *FLAGS], hold)
     assert res.returncode == 0, res.stderr[-3000:]
     assert len(_lines(res.stderr, "held_back:")) == len(PHASES)  # every hold happened
-    _assert_same_weights(ref, out)
+    assert_identical(ref, out)
     assert not Path(str(out) + ".moeify-tune").exists()
 
 
@@ -104,8 +84,8 @@ def test_a_rank_that_never_arrives_ends_the_run_within_the_timeout_naming_it(run
     waits in gloo's all-reduce): rank 0 gives up after --timeout with one line naming the phase (and, at a phase,
     the rank that did not come and where it is), and says how to resume; every rank ends."""
     dense, carve, _ = runs
-    out = _copy(carve, tmp_path / "out")
-    proc = subprocess.Popen(_torchrun_cmd(["tune", str(dense), str(out), *FLAGS, "--timeout", "4"]),
+    out = copy_output(carve, tmp_path / "out")
+    proc = subprocess.Popen(held_back_cmd(["tune", str(dense), str(out), *FLAGS, "--timeout", "4"]),
                             env=_env(where, MOEIFY_STOP_GRACE="2"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     held_at, lines = None, []
@@ -130,9 +110,9 @@ def test_sigterm_while_a_rank_waits_in_a_collective_ends_every_rank_and_resumes(
     grace (2 s here) with one line, torchrun then stops rank 1 the same way; the state saved after step 2 is kept,
     and --resume finishes with the weights of the uninterrupted run."""
     dense, carve, ref = runs
-    out = _copy(carve, tmp_path / "out")
+    out = copy_output(carve, tmp_path / "out")
     pids = tmp_path / "pids"
-    proc = subprocess.Popen(_torchrun_cmd(["tune", str(dense), str(out), *FLAGS, "--timeout", "300"]),
+    proc = subprocess.Popen(held_back_cmd(["tune", str(dense), str(out), *FLAGS, "--timeout", "300"]),
                             env=_env("1|step 3|forever", MOEIFY_STOP_GRACE="2", MOEIFY_TEST_PIDS=str(pids)),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
@@ -157,7 +137,7 @@ def test_sigterm_while_a_rank_waits_in_a_collective_ends_every_rank_and_resumes(
             os.kill(pid, 0)
     res = _torchrun(["tune", str(dense), str(out), "--resume"])
     assert res.returncode == 0, res.stderr[-3000:]
-    _assert_same_weights(ref, out)
+    assert_identical(ref, out)
 
 
 def test_kill_9_of_one_rank_then_resume_equals_the_uninterrupted_run(runs, tmp_path):
@@ -165,7 +145,7 @@ def test_kill_9_of_one_rank_then_resume_equals_the_uninterrupted_run(runs, tmp_p
     with one line; `--resume` under torchrun continues from the snapshot of step 2 and ends with the uninterrupted
     run's weights, bit for bit."""
     dense, carve, ref = runs
-    out = _copy(carve, tmp_path / "out")
+    out = copy_output(carve, tmp_path / "out")
     # torchrun checks its ranks every 0.1 s and SIGTERMs the others once one has died: on a busy machine that can
     # come before rank 0 reaches the collective (it then stops as interrupted, saved at step 2 as well); checking
     # every 3 s leaves rank 0 the time to meet the closed connection, which is what this test is about
@@ -177,14 +157,14 @@ def test_kill_9_of_one_rank_then_resume_equals_the_uninterrupted_run(runs, tmp_p
     assert '"step": 2' in (Path(str(out) + ".moeify-tune") / "state.json").read_text()
     res = _torchrun(["tune", str(dense), str(out), "--resume"])
     assert res.returncode == 0, res.stderr[-3000:]
-    _assert_same_weights(ref, out)
+    assert_identical(ref, out)
 
 
 def test_one_ranks_refusal_is_every_ranks_and_rank_0_says_it(runs, tmp_path):
     """Rank 1 alone refuses its inputs (say its copy of a file is unreadable): no rank waits for it; every rank
     stops at once with exit 2 and rank 0 prints rank 1's one line; nothing is written."""
     dense, carve, _ = runs
-    out = _copy(carve, tmp_path / "out")
+    out = copy_output(carve, tmp_path / "out")
     started = time.monotonic()
     res = _torchrun(["tune", str(dense), str(out), *FLAGS, "--timeout", "300"],
                     MOEIFY_TEST_REFUSE="1|rank 1 cannot read its tuning text")

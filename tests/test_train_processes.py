@@ -9,7 +9,6 @@ timeout; `accelerate launch` ends with torchrun's weights. The ranks are held ba
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -18,12 +17,10 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from conftest import build_dense, built_once, corpus_text, read_json
+from tuning_fixtures import HELD_BACK, assert_identical, copy_output, held_back_cmd, tensors_of
 
-HELD_BACK = Path(__file__).with_name("held_back.py")
 # 5 steps of 2 windows of 128 tokens (the tiny models' max_position_embeddings), a snapshot after every step
 FLAGS = ["--tokens", "1280", "--lr", "0.03", "--step-tokens", "256", "--save-every", "0"]
 PHASES = ["checking the inputs", "loading the model", "the training loop", "saving a snapshot", "writing the output"]
@@ -47,7 +44,7 @@ def outputs(tmp_path_factory, tokenizer_dir):
         moeify.merge([dense, other], root / "merge", dtype="float32")
         for name in ("full", "fine", "merge"):
             for runner, to in ((_one, "one"), (_two, "two")):
-                out = _copy(root / name, root / f"{name}-{to}")
+                out = copy_output(root / name, root / f"{name}-{to}")
                 res = runner(["tune", str(out), "--tune-text", str(root / "train.txt"), *FLAGS])
                 assert res.returncode == 0, res.stderr[-3000:]
 
@@ -59,33 +56,19 @@ def _env(hold: str = "", **extra) -> dict:
     return {**env, "OMP_NUM_THREADS": "1", "MOEIFY_AUTOCAST": "off", "MOEIFY_TEST_HOLD": hold, **extra}
 
 
-def _copy(src: Path, to: Path) -> Path:
-    shutil.copytree(src, to)
-    return to
-
-
 def _one(args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "moeify", *args], env=_env(), capture_output=True, text=True,
                           timeout=600)
 
 
-def _two_cmd(args: list[str], launcher: tuple[str, ...] = ()) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *launcher,
-            str(HELD_BACK), *args]
-
-
 def _two(args: list[str], hold: str = "", launcher: tuple[str, ...] = (), **env) -> subprocess.CompletedProcess:
-    return subprocess.run(_two_cmd(args, launcher), env=_env(hold, **env), capture_output=True, text=True,
+    return subprocess.run(held_back_cmd(args, launcher), env=_env(hold, **env), capture_output=True, text=True,
                           timeout=600)
-
-
-def _weights(out: Path) -> dict:
-    return {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
 
 
 def _update_differences(base: Path, a: Path, b: Path) -> dict[str, float]:
     """Per tensor that trained: |update_a - update_b| / |update_a| (Frobenius norms)."""
-    w0, wa, wb = _weights(base), _weights(a), _weights(b)
+    w0, wa, wb = tensors_of(base), tensors_of(a), tensors_of(b)
     diffs = {}
     for k in w0:
         da, db = wa[k].double() - w0[k].double(), wb[k].double() - w0[k].double()
@@ -116,16 +99,10 @@ def test_the_expert_load_is_counted_over_every_ranks_tokens(outputs):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-4) and a["balance"] == pytest.approx(b["balance"], abs=1e-4)
 
 
-def _assert_same(a: Path, b: Path) -> None:
-    wa, wb = _weights(a), _weights(b)
-    different = [k for k in wa if not torch.equal(wa[k], wb[k])]
-    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
-
-
 def test_kill_9_of_one_rank_then_resume_equals_the_uninterrupted_run(outputs, tmp_path):
     """SIGKILL of rank 1 in step 3: rank 0 ends with one line; --resume under torchrun continues from the snapshot of
     step 2 and ends with the uninterrupted two-process run's weights, bit for bit."""
-    out = _copy(outputs / "full", tmp_path / "out")
+    out = copy_output(outputs / "full", tmp_path / "out")
     text = str(outputs / "train.txt")
     res = _two(["tune", str(out), "--tune-text", text, *FLAGS], "1|step 3|kill", launcher=("--monitor-interval", "3"))
     assert res.returncode != 0
@@ -138,24 +115,24 @@ def test_kill_9_of_one_rank_then_resume_equals_the_uninterrupted_run(outputs, tm
         refused.stderr
     res = _two(["tune", str(out), "--resume"])
     assert res.returncode == 0, res.stderr[-3000:]
-    _assert_same(outputs / "full-two", out)
+    assert_identical(outputs / "full-two", out)
     assert not Path(str(out) + ".moeify-tune").exists()
 
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_rank_held_back_at_every_phase_finishes_as_the_undelayed_run(outputs, tmp_path, rank):
-    out = _copy(outputs / "full", tmp_path / "out")
+    out = copy_output(outputs / "full", tmp_path / "out")
     hold = ";".join(f"{rank}|{phase}|1.5" for phase in PHASES)
     res = _two(["tune", str(out), "--tune-text", str(outputs / "train.txt"), *FLAGS], hold)
     assert res.returncode == 0, res.stderr[-3000:]
     assert len([ln for ln in res.stderr.splitlines() if ln.startswith("held_back:")]) == len(PHASES)
-    _assert_same(outputs / "full-two", out)
+    assert_identical(outputs / "full-two", out)
 
 
 def test_a_rank_that_never_arrives_ends_the_other_within_the_timeout(outputs, tmp_path):
-    out = _copy(outputs / "full", tmp_path / "out")
+    out = copy_output(outputs / "full", tmp_path / "out")
     before = (out / "model.safetensors").read_bytes()
-    proc = subprocess.Popen(_two_cmd(["tune", str(out), "--tune-text", str(outputs / "train.txt"), *FLAGS,
+    proc = subprocess.Popen(held_back_cmd(["tune", str(out), "--tune-text", str(outputs / "train.txt"), *FLAGS,
                                       "--timeout", "4"]),
                             env=_env("1|the training loop|forever|before", MOEIFY_STOP_GRACE="2"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -177,7 +154,7 @@ def test_a_rank_that_never_arrives_ends_the_other_within_the_timeout(outputs, tm
 
 def _until_held(args: list[str], env: dict) -> tuple[subprocess.Popen, list[str]]:
     """A 2-process run started, its output read up to the first rank held back (tests/held_back.py)."""
-    proc = subprocess.Popen(_two_cmd(args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(held_back_cmd(args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     while not (lines and lines[-1].startswith("held_back:")):
         line = proc.stdout.readline()
@@ -191,7 +168,7 @@ def test_sigterm_while_a_rank_waits_in_a_collective_ends_every_rank_and_resumes(
     """Rank 1 is stuck inside step 3, rank 0 waits for it in a collective: SIGTERM to rank 0 alone ends it within
     the stop grace (2 s) with one line, torchrun then stops rank 1; the state saved after step 2 is kept, and
     --resume finishes with the uninterrupted two-process run's weights."""
-    out = _copy(outputs / "full", tmp_path / "out")
+    out = copy_output(outputs / "full", tmp_path / "out")
     pids = tmp_path / "pids"
     proc, lines = _until_held(["tune", str(out), "--tune-text", str(outputs / "train.txt"), *FLAGS, "--timeout",
                                "300"], _env("1|step 3|forever", MOEIFY_STOP_GRACE="2", MOEIFY_TEST_PIDS=str(pids)))
@@ -209,14 +186,14 @@ def test_sigterm_while_a_rank_waits_in_a_collective_ends_every_rank_and_resumes(
     assert read_json(Path(str(out) + ".moeify-tune") / "state.json")["meta"]["step"] == 2
     res = _two(["tune", str(out), "--resume"])
     assert res.returncode == 0, res.stderr[-3000:]
-    _assert_same(outputs / "full-two", out)
+    assert_identical(outputs / "full-two", out)
 
 
 def test_sigint_to_the_launcher_saves_on_every_rank_and_resumes(outputs, tmp_path):
     """Ctrl-C of torchrun mid-run (rank 1 slowed in step 3 so the signal lands in the loop): torchrun passes it
     to both ranks, which stop at the end of a step with the state saved; --resume ends with the uninterrupted
     two-process run's weights."""
-    out = _copy(outputs / "full", tmp_path / "out")
+    out = copy_output(outputs / "full", tmp_path / "out")
     proc, lines = _until_held(["tune", str(out), "--tune-text", str(outputs / "train.txt"), *FLAGS],
                               _env("1|step 3|3"))
     proc.send_signal(signal.SIGINT)
@@ -227,14 +204,14 @@ def test_sigint_to_the_launcher_saves_on_every_rank_and_resumes(outputs, tmp_pat
     assert 2 <= saved < 5, text[-3000:]
     res = _two(["tune", str(out), "--resume"])
     assert res.returncode == 0, res.stderr[-3000:]
-    _assert_same(outputs / "full-two", out)
+    assert_identical(outputs / "full-two", out)
 
 
 def test_accelerate_launch_runs_as_torchrun_does(outputs, tmp_path):
     """`accelerate launch --multi_gpu --num_processes 2` (torchrun underneath; on a machine without GPUs the ranks
     use gloo on the CPU) ends with the weights of the torchrun run. (`--cpu --num_processes 2` would start one
     process: accelerate launches several CPU processes only through mpirun.)"""
-    out = _copy(outputs / "full", tmp_path / "out")
+    out = copy_output(outputs / "full", tmp_path / "out")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -245,4 +222,4 @@ def test_accelerate_launch_runs_as_torchrun_does(outputs, tmp_path):
                          env=_env(), capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert read_json(out / "report.json")["training"]["runs"][-1]["processes"] == 2
-    _assert_same(outputs / "full-two", out)
+    assert_identical(outputs / "full-two", out)

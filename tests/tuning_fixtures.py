@@ -21,6 +21,7 @@ from moeify.carving.conversion import plan_conversion, run_conversion
 from moeify.tuning import TuneOptions
 from test_calibrate import CALIB
 
+HELD_BACK = Path(__file__).with_name("held_back.py")  # moeify's CLI, its ranks held back where MOEIFY_TEST_HOLD says
 # a short schedule: windows of 64 tokens, 16 windows a step
 CARVE = dict(experts=4, top_k=2, **CALIB)
 
@@ -39,6 +40,16 @@ def carved(tmp_path_factory, tokenizer_dir):
 def copy_output(carve: Path, to: Path) -> Path:
     shutil.copytree(carve, to)
     return to
+
+
+def torchrun_cmd(entry: list[str], launcher: tuple[str, ...] = ()) -> list[str]:
+    """torchrun starting 2 CPU processes (gloo) of `entry` (a script and its arguments, or -m moeify and its)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *launcher, *entry]
+
+
+def held_back_cmd(args: list[str], launcher: tuple[str, ...] = ()) -> list[str]:
+    """torchrun starting 2 processes of `moeify ARGS` through tests/held_back.py."""
+    return torchrun_cmd([str(HELD_BACK), *args], launcher)
 
 
 def tensors_of(path: Path) -> dict[str, torch.Tensor]:
@@ -76,8 +87,8 @@ def one_and_two_processes(dense: Path, carve: Path, tmp_path: Path, flags: list[
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MOEIFY_AUTOCAST": autocast}
     subprocess.run([sys.executable, "-m", "moeify", "tune", str(dense), str(one)] + flags, env=env, check=True,
                    capture_output=True)
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "moeify",
-                          "tune", str(dense), str(two)] + flags, env=env, capture_output=True, text=True)
+    res = subprocess.run(torchrun_cmd(["-m", "moeify", "tune", str(dense), str(two), *flags]), env=env,
+                         capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
     return tuple(json.loads((p / "report.json").read_text())["tuning"]["runs"][0] for p in (one, two))
 
