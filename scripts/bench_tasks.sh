@@ -60,6 +60,10 @@
 #                  (--router-only: what routing alone recovers), beside the plain tune (~30 min + ~10 min)
 #   qwen05-spread-262k  the 0.5B's spread 50% preset tuned on its 262,144 tokens, beside it (~2 h of sampling and
 #                  tuning + ~20 min of tasks, its dense and carve answers cached by qwen05-contribution)
+#   smollm2-spread-262k-bundled, qwen05-spread-262k-bundled  the presets' tune as it ships since 2026-12-07 (the
+#                  bundled prose in its tune_text, moeify/data/tune_prose.txt), beside the carve: what -prose measured
+#                  with the corpora read whole (times as -prose's). Before 2026-12-07 the presets tuned on the
+#                  sample and sampled text alone: out/ folders tuned then (a plain -262k tune, -524k, -1m) keep that mix
 #   qwen05-spread-262k-hidden  lever 4's layer matching on the 0.5B, beside the plain tune (with PLAIN=0 ONLY=the four on
 #                  2026-12-07's AVX512-BF16 EPYC: 13 min carving, 16 min sampling, 72 min of steps, 13-14 min a model)
 #   smollm2-spread-active75-262k  lever 5 tuned: the active-75 preset's 262,144-token tune against dense, then its
@@ -246,12 +250,13 @@ for step in ${*:-smollm2-262k}; do
       fi
       score $step $src "${outs[@]}" ;;
     smollm2-spread-262k*|qwen05-spread-262k*)  # the spread 50% preset tuned
-      # on the preset's 262,144 tokens (the bundled sample and 131,072 tokens sampled by the dense model), or with the
+      # on the preset's 262,144 tokens (the bundled sample and 131,072 tokens sampled by the dense model, and since
+      # 2026-12-07 the bundled prose: -bundled, in a folder of its own), or with the
       # conversations (-chat) or more real text (-prose) as its tuning text, or with each layer's output matched as
       # well (-hidden), or with attention and norms trained too (-attention), or its routers alone (-routers); all
       # but the conversations beside the plain tune in the same run (a machine moves retention by up to 3 points:
       # compare within one run)
-      case $step in *-262k) flags=() ;; *-chat) flags=(--tune-text out/levers/conversations-$m.txt)
+      case $step in *-262k|*-bundled) flags=() ;; *-chat) flags=(--tune-text out/levers/conversations-$m.txt)
           [ -f ${flags[1]} ] || .venv/bin/python scripts/chat_text.py $src ${flags[1]} --tokens 12288 ;;
         *-hidden) flags=(--hidden-weight 16) ;; *-attention) flags=(--tune-attention) ;;
         *-prose) flags=(--tune-text ../shared/corpora/war_and_peace/calib_train_200k.txt
@@ -261,7 +266,7 @@ for step in ${*:-smollm2-262k}; do
       esac
       carve $src $o-spread 50
       outs=() res=$step
-      case $step in *-262k|*-chat) ;; *)
+      case $step in *-262k|*-chat|*-bundled) ;; *)
         if [ "${PLAIN:-1}" = 1 ]; then tuned $src $o-spread $o-spread-262k 262144; outs=($o-spread-262k)
         else res=$step-vs-carve; fi ;;
       esac

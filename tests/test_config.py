@@ -93,3 +93,26 @@ def test_the_recipe_names_files_portably_and_still_works_as_a_preset(tmp_path, m
     assert load_preset(copy)["calib"] == ["mine.txt"]
     with pytest.raises(MoeifyError, match="bundled:nope.txt: moeify ships no such text"):
         build_config(experts=4, top_k=2, calib=["bundled:nope.txt"])
+
+
+def test_the_presets_tune_on_the_bundled_prose_unless_given_text(tmp_path):
+    """The presets' tune_text is the prose moeify ships (moeify/data/README.md: the file it describes, to the hash);
+    the recipe names it bundled:tune_prose.txt; --tune-text puts the user's text in its place."""
+    import hashlib
+
+    from moeify.formats.config import BUNDLED_PROSE, config_to_toml
+
+    text = BUNDLED_PROSE.read_text()
+    readme = (BUNDLED_PROSE.parent / "README.md").read_text()
+    assert f"{len(text):,} characters, sha256\nprefix `{hashlib.sha256(text.encode()).hexdigest()[:16]}`" in readme
+    calib_sample = (BUNDLED_PROSE.parent / "calib_sample.txt").read_text()
+    assert calib_sample[:2000] not in text and calib_sample[-2000:] not in text  # the sample's text is not read twice
+    mine = tmp_path / "mine.txt"
+    mine.write_text("my own prose")
+    for preset in ("active-25.toml", "active-50.toml", "active-75.toml"):
+        cfg = build_config(REPO / "configs" / preset, default_calib=True, source=4864)
+        assert cfg.tune_text == (str(BUNDLED_PROSE),) and cfg.tune_tokens == 262144, preset
+        assert 'tune_text = ["bundled:tune_prose.txt"]' in config_to_toml(cfg)
+        own = build_config(REPO / "configs" / preset, default_calib=True, source=4864, tune_text=[mine])
+        assert own.tune_text == (str(mine),)
+    assert build_config(experts=4, top_k=2, calib=[str(mine)], tune_tokens=1024).tune_text == ()  # no preset: none

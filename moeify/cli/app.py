@@ -151,15 +151,17 @@ _HELP = {
                   "| corrected (the carved output, and each layer is fitted to restore the dense model's hidden "
                   "states, correcting earlier layers' error) [default: corrected].",
     "tune_tokens": "Recovery tuning: distil the carved experts and routers towards the dense model's next-token "
-                   "distributions on this many fresh tokens (your --calib text, the bundled broad sample and text the "
-                   "dense model samples itself); teacher and student on --device. About 7-12 seconds per 1,024 tokens "
+                   "distributions on this many fresh tokens (your --calib text, the bundled broad sample, the preset's "
+                   "--tune-text and text the dense model samples itself); teacher and student on --device. About 7-12 seconds per 1,024 tokens "
                    "for a 135M model on 2 CPU cores; use GPUs for 7B+. An interrupted tuning resumes, and a tuned "
                    "output tunes further, with `moeify tune` (0 = off) [default: the preset's, else 0].",
     "no_tune": "Turn tuning off (a preset's --tune-tokens and --fit-epochs): the training-free carve only.",
     "tune_generated": "Share of the tuning tokens sampled from the dense model itself (label-free: what the teacher "
                       "knows is what the student is taught) [default: 0.5].",
     "tune_text": "More tuning text (.txt/.jsonl) besides --calib and the bundled sample; repeatable. A few hundred "
-                 "thousand tokens of real prose kept task accuracy that the default mix alone lost (BENCHMARKS.md).",
+                 "thousand tokens of real prose kept task accuracy that the sample and sampled text alone lost "
+                 "(BENCHMARKS.md) [default: the presets' bundled prose, ~300,000 tokens of Wikipedia and a novel; "
+                 "yours replaces it].",
     "tune_router": "Also train the routers (exported as plain Mixtral / Qwen2-MoE routers) [default: on].",
     "tune_attention": "Recovery tuning also trains every layer's attention projections and RMSNorm weights (at a third "
                       "of the experts' step), so they adapt to the carved FFNs: 1-2% better on SmolLM2, +10% time, "

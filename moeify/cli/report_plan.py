@@ -40,7 +40,7 @@ def print_plan(console: Console, plan, out: Path) -> None:
     if cfg.needs_calibration:
         tokens = f"{cfg.calib_tokens:,} tokens" if cfg.calib_tokens else f"all tokens, up to {CALIB_TOKENS_CAP:,}"
         seq_len = min(cfg.calib_seq_len, int(src.raw.get("max_position_embeddings") or cfg.calib_seq_len))
-        from ..formats.config import BUNDLED_CALIB
+        from ..formats.config import BUNDLED_CALIB, BUNDLED_PROSE
 
         text = ("the bundled sample (--calib TEXT: your own; --weight-only: none)" if cfg.calib == (str(BUNDLED_CALIB),)
                 else f"{len(cfg.calib)} file(s)")
@@ -50,8 +50,10 @@ def print_plan(console: Console, plan, out: Path) -> None:
         if cfg.tune_tokens and cfg.top_k < cfg.experts:
             what = ("experts" + (" + routers" if cfg.tune_router else "")
                     + (" + attention and norms" if cfg.tune_attention else ""))
+            more = (" + the bundled prose" if cfg.tune_text == (str(BUNDLED_PROSE),)
+                    else f" + {len(cfg.tune_text)} --tune-text file(s)" if cfg.tune_text else "")
             t.add_row("tuning", f"distil {what} to the dense model on {cfg.tune_tokens:,} tokens "
-                      f"({cfg.tune_generated:.0%} self-generated); --tune-tokens 0: off")
+                      f"({cfg.tune_generated:.0%} self-generated{more}); --tune-tokens 0: off")
             mem, dev, have = plan.tuning_memory()
             fits = "" if have is None else (f" of {have / 1e9:.1f} GB" + ("" if mem.peak <= have else
                                                                           ": does NOT fit; use a larger device"))

@@ -38,8 +38,8 @@ def tune_cmd(
                                                "[default: the text OUT was calibrated on, from its moeify.toml]."),
     tune_text: Optional[list[Path]] = typer.Option(None, "--tune-text", help="More real tuning text; repeatable "
                                                    "(a few hundred thousand tokens of prose kept task accuracy "
-                                                   "the default mix lost, BENCHMARKS.md) "
-                                                   "[default: OUT's own --tune-text]."),
+                                                   "that the sample and sampled text alone lost, BENCHMARKS.md) "
+                                                   "[default: OUT's own --tune-text: a preset's bundled prose]."),
     tune_generated: Optional[float] = typer.Option(None, "--tune-generated", help="Share of the tuning tokens the "
                                                    "dense model samples itself; each run samples new text "
                                                    "[default: 0.5]."),

@@ -20,6 +20,7 @@ CALIB_METHODS = ("activation", "coactivation")  # need calibration data
 # bundled sample) for whatever the flags do not set. The corrected feed was chosen on the real model (SmolLM2).
 CALIBRATED_DEFAULTS = {"method": "activation", "router": "fitted", "compensate": True, "calib_feed": "corrected"}
 BUNDLED_CALIB = Path(__file__).resolve().parents[1] / "data" / "calib_sample.txt"  # see moeify/data/README.md
+BUNDLED_PROSE = BUNDLED_CALIB.parent / "tune_prose.txt"  # the presets' --tune-text (moeify/data/README.md)
 BUNDLED_TEXT = "bundled:"  # how a recipe names a text moeify ships: bundled:calib_sample.txt (moeify/data/)
 TEXT_KEYS = ("calib", "tune_text", "stats")  # settings that name files: a recipe names them portably (recipe_name)
 FEEDS = ("dense", "moe", "corrected")
@@ -272,7 +273,7 @@ def _absolute(f: str | Path) -> str:
     if f.startswith(BUNDLED_TEXT):
         shipped = BUNDLED_CALIB.parent / f[len(BUNDLED_TEXT):]
         if not shipped.is_file():
-            raise MoeifyError(f"{f}: moeify ships no such text", f"the bundled text is {recipe_name(BUNDLED_CALIB)}")
+            raise MoeifyError(f"{f}: moeify ships no such text", f"the bundled texts are {recipe_name(BUNDLED_CALIB)} and {recipe_name(BUNDLED_PROSE)}")
         return str(shipped)
     return os.path.abspath(f) if Path(f).exists() else f
 

@@ -1,7 +1,8 @@
-"""The tuning text: the real texts' windows (the output's calibration text, --tune-text, the bundled broad sample),
-and windows the dense model samples itself, a few of each held out for early stopping; assembled once per run and
-saved in the state directory, so a resumed run reads the same text back. The sampled windows keep the teacher's
-final hidden states from their sampling (TeacherTargets), so the teacher never runs on them again.
+"""The tuning text: the real texts' windows (the output's calibration text, --tune-text: the presets' bundled prose
+unless the user's, the bundled broad sample), and windows the dense model samples itself, a few of each held out for
+early stopping; assembled once per run and saved in the state directory, so a resumed run reads the same text back.
+The sampled windows keep the teacher's final hidden states from their sampling (TeacherTargets), so the teacher never
+runs on them again.
 """
 
 from __future__ import annotations
