@@ -111,9 +111,14 @@ def tune(src: str | Path, out: str | Path, tokens: int | None = None, *, resume:
     run (its own settings; options given must agree). options: lr, generated, calib, tune_text, train_router,
     train_experts, train_attention, seed, schedule, step_tokens, hidden_weight (moeify.tuning.TuneOptions). Under
     torchrun each process calls it."""
+    from .formats.config import text_path
     from .tuning import TuneOptions, tune_output
 
     given = {k: v for k, v in options.items() if v is not None}
+    for key in ("calib", "tune_text"):  # as convert records them: absolute (a resume from elsewhere finds them), a
+        if key in given:  # text moeify ships named bundled:NAME
+            files = [given[key]] if isinstance(given[key], (str, Path)) else given[key]
+            given[key] = tuple(text_path(f) for f in files)
     unknown = sorted(set(given) - {f.name for f in dataclasses.fields(TuneOptions)} - {"tokens"})
     if unknown:
         raise MoeifyError(f"tune() got unknown option(s): {', '.join(unknown)}",

@@ -434,3 +434,21 @@ def test_router_only_trains_the_routers_alone_and_says_so(carved, tmp_path):
     res = CliRunner().invoke(app, ["tune", str(dense), str(copy_output(carve, tmp_path / "none")), "--tokens",
                                    "1024", "--router-only", "--freeze-router"])
     assert res.exit_code == 2 and "--router-only with --freeze-router leaves nothing to train" in res.output
+
+
+def test_tuning_text_is_recorded_where_it_is_and_bundled_names_resolve(carved, tmp_path, monkeypatch):
+    """moeify.tune / `moeify tune --tune-text` with a relative path records the file's absolute path (a resume from
+    another directory finds it), and bundled:tune_prose.txt is the prose moeify ships (the presets' tune_text)."""
+    import moeify
+    from moeify.formats.config import BUNDLED_PROSE
+
+    dense, carve = carved
+    out = copy_output(carve, tmp_path / "moe")
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "mine.txt").write_text(BUNDLED_PROSE.read_text()[:20000])
+    monkeypatch.chdir(tmp_path / "texts")
+    report = moeify.tune(dense, out, tokens=1024, generated=0.25, tune_text=["mine.txt", "bundled:tune_prose.txt"])
+    files = report["tuning"]["runs"][-1]["text"]["tune_text"]["files"]
+    assert files == [str(tmp_path / "texts" / "mine.txt"), str(BUNDLED_PROSE)]
+    with pytest.raises(MoeifyError, match="bundled:nope.txt: moeify ships no such text"):
+        moeify.tune(dense, out, tokens=1024, tune_text=["bundled:nope.txt"])

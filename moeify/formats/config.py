@@ -265,7 +265,7 @@ def load_preset(path: str | Path) -> dict:
     return data
 
 
-def _absolute(f: str | Path) -> str:
+def text_path(f: str | Path) -> str:
     """A text file's path as the settings hold it (and OUT/report.json records it): absolute, so that `moeify tune
     OUT` finds it from any directory (a path relative to where convert ran would not be); bundled:NAME is the file
     moeify ships."""
@@ -390,11 +390,11 @@ def build_config(preset: str | Path | None = None, default_calib: bool = False, 
     if isinstance(values.get("tune_text"), (str, Path)):
         values["tune_text"] = (values["tune_text"],)
     if values.get("tune_text") is not None:
-        values["tune_text"] = tuple(_absolute(f) for f in values["tune_text"])
+        values["tune_text"] = tuple(text_path(f) for f in values["tune_text"])
     if values.get("stats"):
-        values["stats"] = _absolute(values["stats"])
+        values["stats"] = text_path(values["stats"])
     if values.get("calib"):
-        values["calib"] = tuple(_absolute(f) for f in values["calib"])
+        values["calib"] = tuple(text_path(f) for f in values["calib"])
         for key, value in CALIBRATED_DEFAULTS.items():
             values.setdefault(key, value)
     if isinstance(values.get("dense_layers"), str) and values["dense_layers"].startswith("auto:"):
