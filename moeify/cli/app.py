@@ -161,7 +161,7 @@ _HELP = {
     "tune_text": "More tuning text (.txt/.jsonl) besides --calib and the bundled sample; repeatable. A few hundred "
                  "thousand tokens of real prose kept task accuracy that the sample and sampled text alone lost "
                  "(BENCHMARKS.md) [default: the presets' bundled prose, ~300,000 tokens of Wikipedia and a novel; "
-                 "yours replaces it].",
+                 "yours replaces it; --tune-text bundled:tune_prose.txt names it beside yours].",
     "tune_router": "Also train the routers (exported as plain Mixtral / Qwen2-MoE routers) [default: on].",
     "tune_attention": "Recovery tuning also trains every layer's attention projections and RMSNorm weights (at a third "
                       "of the experts' step), so they adapt to the carved FFNs: 1-2% better on SmolLM2, +10% time, "
