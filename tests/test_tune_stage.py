@@ -452,3 +452,34 @@ def test_tuning_text_is_recorded_where_it_is_and_bundled_names_resolve(carved, t
     assert files == [str(tmp_path / "texts" / "mine.txt"), str(BUNDLED_PROSE)]
     with pytest.raises(MoeifyError, match="bundled:nope.txt: moeify ships no such text"):
         moeify.tune(dense, out, tokens=1024, tune_text=["bundled:nope.txt"])
+
+
+def test_a_run_that_kept_its_starting_weights_says_so(carved, tmp_path):
+    """Early stopping that kept step 0 (no held-out check beat the carve, as the 0.5B's 75% carve's 262,144-token
+    tune did on 2026-12-07): `moeify tune` warns that OUT is unchanged, the card says so; a run that improved, not."""
+    from rich.console import Console
+
+    from moeify.cli.report import print_tuning
+    from moeify.formats.card import kept_as_carved
+
+    run = {"tokens": 1024, "steps": 4, "passes": 0.5, "train_windows": 8, "seconds": 3.0, "seconds_per_1k_tokens": 3.0,
+           "holdout_kl_before": 0.126, "holdout_kl_after": 0.126, "train_kl_end": 0.19, "step_kept": 0,
+           "holdout_curve": [[0, 0.126], [2, 0.405], [4, 0.191]]}
+    improved = dict(run, holdout_kl_after=0.1, step_kept=4, holdout_curve=[[0, 0.126], [2, 0.2], [4, 0.1]])
+    assert kept_as_carved(run) and not kept_as_carved(improved) and not kept_as_carved(dict(run, steps=0))
+    for r, warned in ((run, True), (improved, False)):
+        console = Console(record=True, width=200)
+        print_tuning(console, {"tuning": {"runs": [r], "tokens": 1024, "seconds": 3.0}}, out=tmp_path / "moe")
+        text = " ".join(console.export_text().split())
+        assert ("warning: no held-out check beat the weights this run started from (KL 0.126, the best later 0.191)"
+                in text) is warned, text
+        assert (f"{tmp_path / 'moe'} is unchanged by this run" in text) is warned
+    from moeify.formats.card import render
+
+    out = copy_output(carved[1], tmp_path / "moe")
+    report = json.loads((out / "report.json").read_text())
+    for r, said in ((run, True), (improved, False)):
+        report["tuning"] = {"runs": [r], "tokens": 1024, "seconds": 3.0, "holdout_kl": r["holdout_kl_after"]}
+        (out / "report.json").write_text(json.dumps(report))
+        line = next(x for x in render(out).splitlines() if x.startswith("- Tuning:"))
+        assert ("No run's held-out check beat the weights it started from: these are the carve's." in line) is said

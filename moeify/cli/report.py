@@ -76,6 +76,14 @@ def print_tuning(console: Console, report: dict, header: bool = True, estimate: 
                   f"(training {run['train_kl_end']:.3f})"
                   + (f"; steps of {run['batch_tokens']:,} tokens, step sizes x {run['lr_scale']:g}"
                      if run.get("lr_scale", 1) != 1 else ""), soft_wrap=True)
+    from ..formats.card import kept_as_carved
+
+    if kept_as_carved(run):
+        later = min(k for s, k in run["holdout_curve"] if s > 0)
+        console.print(f"[yellow]warning:[/] no held-out check beat the weights this run started from (KL "
+                      f"{run['holdout_kl_before']:.3f}, the best later {later:.3f}), so they were kept: {escape(str(out))} "
+                      "is unchanged by this run. A carve this near its dense model may need a smaller step (--lr) or "
+                      "none (--no-tune).", soft_wrap=True, highlight=False)
     if len(runs) > 1:
         console.print(f"in all: {history['tokens']:,} tuning tokens over {len(runs)} runs, "
                       f"{_duration(history['seconds'])}", soft_wrap=True)

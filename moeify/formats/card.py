@@ -132,8 +132,10 @@ def render(out: Path, name: str | None = None) -> str:
         runs = tuning.get("runs", [])
         first = runs[0].get("holdout_kl_before") if runs else None
         kl = f"{first:.3f} → {tuning.get('holdout_kl'):.3f}" if first is not None else f"{tuning.get('holdout_kl'):.3f}"
+        same = " No run's held-out check beat the weights it started from: these are the carve's." if runs and all(
+            kept_as_carved(r) for r in runs) else ""
         lines.append(f"- Tuning: held-out KL divergence to the dense model's next-token distributions {kl} "
-                     f"({tuned:,} tokens in {len(runs)} run(s)).")
+                     f"({tuned:,} tokens in {len(runs)} run(s)).{same}")
     lines += _evaluation_lines(out) or ["- Perplexity: not measured yet (`moeify eval DENSE THIS --data TEXT` "
                                         "adds it here)."]
     lines += ["", "## Recipe", "", "The settings that made it (`moeify.toml`; `moeify convert SRC OUT --preset "
@@ -341,3 +343,9 @@ def record_evaluation(out: Path, result: dict, reference: dict, this: dict) -> N
 
 __all__ = ["nats", "CARD", "EVALUATION", "render", "write", "record_evaluation", "copy_licence", "source_licence",
            "active_share_text"]
+
+
+def kept_as_carved(run: dict) -> bool:
+    """A tuning run (a report.json tuning.runs record) whose early stopping kept the weights it started from: no
+    held-out check after step 0 beat them (moeify.training.distill: step_kept 0)."""
+    return run.get("steps", 0) > 0 and run.get("step_kept") == 0 and len(run.get("holdout_curve") or []) > 1
