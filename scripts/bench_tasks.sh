@@ -69,7 +69,8 @@
 #   smollm2-spread-active75-262k  lever 5 tuned: the active-75 preset's 262,144-token tune against dense, then its
 #                  training-free carve beside them (float32 on an AVX2-only CPU: ~50 min of sampling and tuning,
 #                  ~20 min of tasks a model)
-#   qwen05-spread-active75-262k  the same on the 0.5B (not yet run)
+#   qwen05-spread-active75-262k  the same on the 0.5B (AVX512-BF16, 2026-12-07: 11 min carving, 16 + 8 min of
+#                  sampling and teacher targets, 61 min of steps; its tune kept the carve's weights, so not scored)
 #   smollm2-spread-524k  lever 4's tokens: smollm2-spread-262k's plain tune tuned on for 262,144 more (524,288 in
 #                  all), beside the carve and the 262k tune (float32 on an AVX2-only CPU: ~22 min of sampling, ~48 min of
 #                  steps, ~20 min of tasks)
