@@ -273,7 +273,8 @@ def text_path(f: str | Path) -> str:
     if f.startswith(BUNDLED_TEXT):
         shipped = BUNDLED_CALIB.parent / f[len(BUNDLED_TEXT):]
         if not shipped.is_file():
-            raise MoeifyError(f"{f}: moeify ships no such text", f"the bundled texts are {recipe_name(BUNDLED_CALIB)} and {recipe_name(BUNDLED_PROSE)}")
+            raise MoeifyError(f"{f}: moeify ships no such text",
+                              f"the bundled texts are {recipe_name(BUNDLED_CALIB)} and {recipe_name(BUNDLED_PROSE)}")
         return str(shipped)
     return os.path.abspath(f) if Path(f).exists() else f
 
