@@ -257,7 +257,9 @@ for step in ${*:-smollm2-262k}; do
       # well (-hidden), or with attention and norms trained too (-attention), or its routers alone (-routers); all
       # but the conversations beside the plain tune in the same run (a machine moves retention by up to 3 points:
       # compare within one run)
-      case $step in *-262k|*-bundled) flags=() ;; *-chat) flags=(--tune-text out/levers/conversations-$m.txt)
+      # -bundled names the preset's tune_text itself: a carve made before 2026-12-07 records none (its tune would
+      # read the earlier mix); on a newer carve the flag repeats what its moeify.toml holds
+      case $step in *-262k) flags=() ;; *-bundled) flags=(--tune-text bundled:tune_prose.txt) ;; *-chat) flags=(--tune-text out/levers/conversations-$m.txt)
           [ -f ${flags[1]} ] || .venv/bin/python scripts/chat_text.py $src ${flags[1]} --tokens 12288 ;;
         *-hidden) flags=(--hidden-weight 16) ;; *-attention) flags=(--tune-attention) ;;
         *-prose) flags=(--tune-text ../shared/corpora/war_and_peace/calib_train_200k.txt

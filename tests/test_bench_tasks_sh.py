@@ -102,14 +102,15 @@ def test_an_unknown_step_is_refused_before_any_work(stub, step):
 
 
 def test_the_shipped_tune_is_scored_beside_its_carve_in_a_folder_of_its_own(stub):
-    """-bundled: the preset's tune as it ships (its tune_text the bundled prose: no flag), beside the carve alone,
-    never in the folder a plain -262k tune of the earlier mix may hold."""
+    """-bundled: the preset's tune as it ships (its tune_text the bundled prose, named by the step, so that a carve
+    made before the presets named it tunes on it too), beside the carve alone, never in the folder a plain -262k tune
+    of the earlier mix may hold."""
     code, log, err = run(stub, "smollm2-spread-262k-bundled", ONLY="arc_easy,piqa")
     assert code == 0, err
     src = "models/smollm2-135m"
     assert log == [
         f"moeify convert {src} out/smollm2-a50-spread --preset configs/active-50.toml --no-tune --overwrite",
-        f"moeify tune {src} out/smollm2-a50-spread-262k-bundled --tokens 262144",
+        f"moeify tune {src} out/smollm2-a50-spread-262k-bundled --tokens 262144 --tune-text bundled:tune_prose.txt",
         f"python scripts/bench_tasks.py {src} out/smollm2-a50-spread out/smollm2-a50-spread-262k-bundled {SCORE} "
         "--tasks arc_easy,piqa --out results/quality/tasks-smollm2-spread-262k-bundled-1000.json"]
     assert 'tune_text = ["bundled:tune_prose.txt"]' in (stub / "configs" / "active-50.toml").read_text()
