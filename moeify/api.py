@@ -91,11 +91,12 @@ def convert(src: str | Path, out: str | Path, *, preset: str | Path | None = Non
     """Carve the dense checkpoint `src` (a folder or a Hub id) into the MoE checkpoint `out`, all or nothing.
 
     preset: a preset by name ("active-50", "active-25", "active-75") or a TOML file; none and no experts/top_k/shared: the
-    recommended one. tune: None as the preset says (262,144 tokens of recovery tuning), False none, or a token
-    count. calib: calibration text files (default: the preset's, else the bundled sample). serve: the serving
-    format the preset's layout suits (k-quants, fp8, q8_0, bf16; README "Presets at your model's shape"). settings: any other
-    conversion setting (experts, top_k, shared, format, dtype, max_shard_size, ...), as `moeify convert` names them
-    with '_' for '-'. Returns the output's path, report.json and the notes on how the settings resolved."""
+    recommended one. tune: None as the preset says (active-50 and active-25: 262,144 tokens of recovery tuning;
+    active-75: none), False none, or a token count. calib: calibration text files (default: the preset's, else the
+    bundled sample). serve: the serving format the preset's layout suits (k-quants, fp8, q8_0, bf16; README "Presets
+    at your model's shape"). settings: any other conversion setting (experts, top_k, shared, format, dtype,
+    max_shard_size, ...), as `moeify convert` names them with '_' for '-'. Returns the output's path, report.json and
+    the notes on how the settings resolved."""
     plan, notes = prepare_conversion(src, preset=preset, tune=tune, weight_only=weight_only, calib=calib,
                                      serve=serve, allow_pickle=allow_pickle, allow_nonfinite=allow_nonfinite, force=force,
                                      **settings)

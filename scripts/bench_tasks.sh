@@ -259,7 +259,9 @@ for step in ${*:-smollm2-262k}; do
       # compare within one run)
       # -bundled names the preset's tune_text itself: a carve made before 2026-12-07 records none (its tune would
       # read the earlier mix); on a newer carve the flag repeats what its moeify.toml holds
-      case $step in *-262k) flags=() ;; *-bundled) flags=(--tune-text bundled:tune_prose.txt) ;; *-chat) flags=(--tune-text out/levers/conversations-$m.txt)
+      case $step in *-262k) flags=() ;;
+        *-bundled) flags=(--tune-text bundled:tune_prose.txt) ;;
+        *-chat) flags=(--tune-text out/levers/conversations-$m.txt)
           [ -f ${flags[1]} ] || .venv/bin/python scripts/chat_text.py $src ${flags[1]} --tokens 12288 ;;
         *-hidden) flags=(--hidden-weight 16) ;; *-attention) flags=(--tune-attention) ;;
         *-prose) flags=(--tune-text ../shared/corpora/war_and_peace/calib_train_200k.txt

@@ -109,9 +109,9 @@ def test_the_presets_tune_on_the_bundled_prose_unless_given_text(tmp_path):
     assert calib_sample[:2000] not in text and calib_sample[-2000:] not in text  # the sample's text is not read twice
     mine = tmp_path / "mine.txt"
     mine.write_text("my own prose")
-    for preset in ("active-25.toml", "active-50.toml", "active-75.toml"):
-        cfg = build_config(REPO / "configs" / preset, default_calib=True, source=4864)
-        assert cfg.tune_text == (str(BUNDLED_PROSE),) and cfg.tune_tokens == 262144, preset
+    for preset, tokens in (("active-25.toml", 262144), ("active-50.toml", 262144), ("active-75.toml", 0)):
+        cfg = build_config(REPO / "configs" / preset, default_calib=True, source=4864)  # active-75: training-free,
+        assert cfg.tune_text == (str(BUNDLED_PROSE),) and cfg.tune_tokens == tokens, preset  # the mix if tuned
         assert 'tune_text = ["bundled:tune_prose.txt"]' in config_to_toml(cfg)
         own = build_config(REPO / "configs" / preset, default_calib=True, source=4864, tune_text=[mine])
         assert own.tune_text == (str(mine),)

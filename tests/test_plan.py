@@ -339,6 +339,24 @@ def test_active_share_is_one_number_in_plan_convert_and_card(tmp_path):
     assert "pypi.org" not in (tmp_path / "moe" / "README.md").read_text()  # no link to an index page that is not there
 
 
+def test_dry_run_says_each_presets_tune():
+    """active-50 and active-25 tune on 262,144 tokens with the bundled prose; active-75 is training-free and says
+    how to tune it anyway."""
+    from pathlib import Path
+
+    tiny = Path(__file__).resolve().parents[1] / "examples" / "tiny-llama"
+    said = {}
+    for preset in ("active-25", "active-50", "active-75"):
+        res = CliRunner().invoke(app, ["convert", str(tiny), "/nonexistent/out", "--preset", preset, "--dry-run"])
+        assert res.exit_code == 0, res.output
+        said[preset] = " ".join(res.output.replace("│", " ").split())
+    for preset in ("active-25", "active-50"):
+        assert ("tuning distil experts + routers to the dense model on 262,144 tokens (50% self-generated + the "
+                "bundled prose); --tune-tokens 0: off") in said[preset], said[preset]
+    assert ("tuning none: training-free (--tune-tokens N distils it to the dense model on N tokens)"
+            in said["active-75"]), said["active-75"]
+
+
 # ------------------------------------------------------------------ the upcycles as upcycle builds them, and training
 
 # Qwen/Qwen2.5-1.5B config.json (as published; q/k/v biases, tied embeddings)

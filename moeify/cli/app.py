@@ -154,7 +154,9 @@ _HELP = {
                    "distributions on this many fresh tokens (your --calib text, the bundled broad sample, the preset's "
                    "--tune-text and text the dense model samples itself); teacher and student on --device. About "
                    "7-12 seconds per 1,024 tokens for a 135M model on 2 CPU cores; use GPUs for 7B+. An interrupted "
-                   "tuning resumes, and a tuned output tunes further, with `moeify tune` (0 = off) [default: the preset's, else 0].",
+                   "tuning resumes, and a tuned output tunes further, with `moeify tune` (0 = off) [default: the "
+                   "preset's (active-50 and active-25: 262,144; active-75: 0, its tune paid on neither model "
+                   "measured), else 0].",
     "no_tune": "Turn tuning off (a preset's --tune-tokens and --fit-epochs): the training-free carve only.",
     "tune_generated": "Share of the tuning tokens sampled from the dense model itself (label-free: what the teacher "
                       "knows is what the student is taught) [default: 0.5].",

@@ -61,6 +61,8 @@ def print_plan(console: Console, plan, out: Path) -> None:
                    if mem.host_total else "")
             t.add_row("tuning memory", f"{mem.peak / 1e9:.1f} GB predicted on {dev}{off}{fits} (`moeify tune "
                       "--dry-run` measures it)")
+        elif cfg.top_k < cfg.experts:
+            t.add_row("tuning", "none: training-free (--tune-tokens N distils it to the dense model on N tokens)")
     if cfg.dense_layers:
         t.add_row("dense layers", ", ".join(map(str, cfg.dense_layers)))
     t.add_row("total params", f"{human_count(b.total_params)} ({b.total_ratio:.3f}× dense)")
