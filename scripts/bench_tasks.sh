@@ -63,9 +63,9 @@
 #   smollm2-spread-262k-bundled, qwen05-spread-262k-bundled  the presets' tune as it ships since 2026-12-07 (the
 #                  bundled prose in its tune_text, moeify/data/tune_prose.txt), beside the carve: what -prose measured
 #                  with the corpora read whole (the 0.5B's with PLAIN=0 ONLY=the four, 2026-12-07: 16 + 8 min of
-#                  sampling and teacher targets, 57 min of steps, 14 min the tune's tasks). Before 2026-12-07 the presets
-#                  tuned on the sample and sampled text alone: out/ folders tuned then (a plain -262k tune, -524k, -1m)
-#                  keep that mix
+#                  sampling and teacher targets, 57 min of steps, 14 min the tune's tasks). Before 2026-12-07 the
+#                  presets tuned on the sample and sampled text alone: out/ folders tuned then (a plain -262k tune,
+#                  -524k, -1m) keep that mix
 #   qwen05-spread-262k-hidden  lever 4's layer matching on the 0.5B, beside the plain tune (with PLAIN=0 ONLY=the four on
 #                  2026-12-07's AVX512-BF16 EPYC: 13 min carving, 16 min sampling, 72 min of steps, 13-14 min a model)
 #   smollm2-spread-active75-262k  lever 5 tuned: the active-75 preset's 262,144-token tune against dense, then its
