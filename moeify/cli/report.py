@@ -82,8 +82,8 @@ def print_tuning(console: Console, report: dict, header: bool = True, estimate: 
         later = min(k for s, k in run["holdout_curve"] if s > 0)
         console.print(f"[yellow]warning:[/] no held-out check beat the weights this run started from (KL "
                       f"{run['holdout_kl_before']:.3f}, the best later {later:.3f}), so they were kept: "
-                      f"{escape(str(out))} is unchanged by this run. A carve this near its dense model may need a smaller step (--lr) or "
-                      "none (--no-tune).", soft_wrap=True, highlight=False)
+                      f"{escape(str(out))} is unchanged by this run. A carve this near its dense model may need a "
+                      "smaller step (--lr) or none (--no-tune).", soft_wrap=True, highlight=False)
     if len(runs) > 1:
         console.print(f"in all: {history['tokens']:,} tuning tokens over {len(runs)} runs, "
                       f"{_duration(history['seconds'])}", soft_wrap=True)

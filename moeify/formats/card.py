@@ -341,11 +341,11 @@ def record_evaluation(out: Path, result: dict, reference: dict, this: dict) -> N
     write(out)
 
 
-__all__ = ["nats", "CARD", "EVALUATION", "render", "write", "record_evaluation", "copy_licence", "source_licence",
-           "active_share_text"]
-
-
 def kept_as_carved(run: dict) -> bool:
     """A tuning run (a report.json tuning.runs record) whose early stopping kept the weights it started from: no
     held-out check after step 0 beat them (moeify.training.distill: step_kept 0)."""
     return run.get("steps", 0) > 0 and run.get("step_kept") == 0 and len(run.get("holdout_curve") or []) > 1
+
+
+__all__ = ["nats", "CARD", "EVALUATION", "render", "write", "record_evaluation", "copy_licence", "source_licence",
+           "active_share_text", "kept_as_carved"]
