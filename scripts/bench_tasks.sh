@@ -66,6 +66,9 @@
 #                  sampling and teacher targets, 57 min of steps, 14 min the tune's tasks). Before 2026-12-07 the
 #                  presets tuned on the sample and sampled text alone: out/ folders tuned then (a plain -262k tune,
 #                  -524k, -1m) keep that mix
+#   smollm2-spread-524k-bundled, qwen05-spread-524k-bundled  the -bundled tune continued to 524,288 tokens, beside
+#                  it and the carve (the 0.5B's with ONLY=the four: ~25 min of sampling and targets, ~60 min of steps,
+#                  ~15 min of tasks)
 #   qwen05-spread-262k-hidden  lever 4's layer matching on the 0.5B, beside the plain tune (with PLAIN=0 ONLY=the four on
 #                  2026-12-07's AVX512-BF16 EPYC: 13 min carving, 16 min sampling, 72 min of steps, 13-14 min a model)
 #   smollm2-spread-active75-262k  lever 5 tuned: the active-75 preset's 262,144-token tune against dense, then its
@@ -252,6 +255,14 @@ for step in ${*:-smollm2-262k}; do
         outs+=($o-spread-1m)
       fi
       score $step $src "${outs[@]}" ;;
+    smollm2-spread-524k-bundled|qwen05-spread-524k-bundled)  # lever 4's tokens on the tune as it ships: the
+      # -bundled tune tuned on for 262,144 more (524,288 in all, newly sampled text), beside the carve and the 262k
+      # tune (their answers cached by -262k-bundled)
+      flags=(--tune-text bundled:tune_prose.txt)
+      carve $src $o-spread 50
+      tuned $src $o-spread $o-spread-262k-bundled 262144 "${flags[@]}"
+      tuned $src $o-spread-262k-bundled $o-spread-524k-bundled 262144 "${flags[@]}"
+      score $step $src $o-spread $o-spread-262k-bundled $o-spread-524k-bundled ;;
     smollm2-spread-262k*|qwen05-spread-262k*)  # the spread 50% preset tuned
       # on the preset's 262,144 tokens (the bundled sample and 131,072 tokens sampled by the dense model, and since
       # 2026-12-07 the bundled prose: -bundled, in a folder of its own), or with the

@@ -114,3 +114,19 @@ def test_the_shipped_tune_is_scored_beside_its_carve_in_a_folder_of_its_own(stub
         f"python scripts/bench_tasks.py {src} out/smollm2-a50-spread out/smollm2-a50-spread-262k-bundled {SCORE} "
         "--tasks arc_easy,piqa --out results/quality/tasks-smollm2-spread-262k-bundled-1000.json"]
     assert 'tune_text = ["bundled:tune_prose.txt"]' in (stub / "configs" / "active-50.toml").read_text()
+
+
+def test_the_shipped_tune_continues_on_the_prose_to_524k(stub):
+    """-524k-bundled: the -bundled tune, then 262,144 tokens more from it on the same prose, scored beside the carve
+    and the shorter tune; a second run finds both tunes done and only scores."""
+    code, log, err = run(stub, "qwen05-spread-524k-bundled", ONLY="arc_easy,piqa")
+    assert code == 0, err
+    src, o = "models/qwen2.5-coder-0.5b", "out/qwen05-a50-spread"
+    assert log == [
+        f"moeify convert {src} {o} --preset configs/active-50.toml --no-tune --overwrite",
+        f"moeify tune {src} {o}-262k-bundled --tokens 262144 --tune-text bundled:tune_prose.txt",
+        f"moeify tune {src} {o}-524k-bundled --tokens 262144 --tune-text bundled:tune_prose.txt",
+        f"python scripts/bench_tasks.py {src} {o} {o}-262k-bundled {o}-524k-bundled {SCORE} --tasks arc_easy,piqa "
+        "--out results/quality/tasks-qwen05-spread-524k-bundled-1000.json"]
+    code, again, _ = run(stub, "qwen05-spread-524k-bundled", ONLY="arc_easy,piqa")
+    assert code == 0 and again == log[3:]
