@@ -67,8 +67,15 @@
 #                  presets tuned on the sample and sampled text alone: out/ folders tuned then (a plain -262k tune,
 #                  -524k, -1m) keep that mix
 #   smollm2-spread-524k-bundled, qwen05-spread-524k-bundled  the -bundled tune continued to 524,288 tokens, beside
-#                  it and the carve (the 0.5B's with ONLY=the four: ~25 min of sampling and targets, ~60 min of steps,
-#                  ~15 min of tasks)
+#                  it and the carve (the 0.5B's with ONLY=the four, 2026-12-07: 52 min of sampling and targets beside
+#                  other work, 57 min of steps, 13 min of tasks)
+#   smollm2-spread-1m-bundled  the -524k-bundled tune continued by 524,288 more (1,048,576 in all), beside the carve
+#                  and the two shorter tunes (not yet run; SmolLM2 on the AVX512-BF16 EPYC: ~20 min of sampling,
+#                  ~45 min of steps, ~10 min of tasks once the others are scored)
+#   smollm2-contribution-262k-bundled, smollm2-dense-layers-262k-bundled, smollm2-chat-spread-262k-bundled and the
+#                  same qwen05-... steps: levers 2, 1 and 3 tuned, each lever's carve (spread windows, as the preset
+#                  carves now) tuned as the preset ships, beside the preset's shipped tune (-spread-262k-bundled,
+#                  its answers cached): what the lever adds once both are tuned (not yet run; a tune's time each)
 #   qwen05-spread-262k-hidden  lever 4's layer matching on the 0.5B, beside the plain tune (with PLAIN=0 ONLY=the four on
 #                  2026-12-07's AVX512-BF16 EPYC: 13 min carving, 16 min sampling, 72 min of steps, 13-14 min a model)
 #   smollm2-spread-active75-262k  lever 5 tuned: the active-75 preset's 262,144-token tune against dense, then its
@@ -102,6 +109,20 @@ carve() {  # SRC OUT PRESET [FLAGS...]: the training-free carve, unless it is th
 }
 lever() {  # PRESET KEY VALUE: out/levers/PRESET-KEY-VALUE.toml, the preset with one key set (a lever to measure)
   { echo "$2 = \"$3\""; cat "configs/$1.toml"; } > "out/levers/$1-$2-$3.toml"
+}
+dense_layers_lever() {  # K: out/levers/active-50-dense_layers-auto2-topK.toml, the 50% preset for transformers
+  # and vLLM only (llama.cpp's qwen2moe maps no mlp_only_layers), to carve with --dense-layers auto:2 --top-k K
+  sed -e 's/^targets = .*/targets = ["transformers", "vllm"]/' configs/active-50.toml \
+    > out/levers/active-50-dense_layers-auto2-top$1.toml
+}
+chat_spread_text() {  # SRC M: out/levers/chat-spread-M.txt, half the bundled sample (512-token windows spread over it,
+  # as the presets read it) and half the conversations the model wrote itself from its chat template (the ones
+  # smollm2-chat / qwen05-chat used: 12,877 / 14,930 tokens), so the preset's 16,384 windows, spread, take half of each
+  local n=14848 conv=out/levers/conversations-$2.txt
+  [ $2 = smollm2-135m ] && n=12800
+  [ -f $conv ] || .venv/bin/python scripts/chat_text.py $1 $conv --tokens 12288
+  .venv/bin/python scripts/chat_text.py $1 out/levers/chat-spread-$2.txt \
+    --prefix moeify/data/calib_sample.txt --prefix-tokens $n --spread --control $conv
 }
 tokens_of() {  # OUT: the tuning tokens OUT has had in all (0 untuned or absent)
   .venv/bin/python -c 'import json, sys; print(json.load(open(sys.argv[1])).get("tuning", {}).get("tokens", 0))' \
@@ -174,8 +195,7 @@ for step in ${*:-smollm2-262k}; do
       if [ $step = smollm2-dense-layers ]; then k=10; else k=7; fi
       carve $src $o 50
       carve $src $o-seed1 50 --seed 1
-      sed -e 's/^targets = .*/targets = ["transformers", "vllm"]/' configs/active-50.toml \
-        > out/levers/active-50-dense_layers-auto2-top$k.toml
+      dense_layers_lever $k
       carve $src $o-dense2 out/levers/active-50-dense_layers-auto2-top$k --dense-layers auto:2 --top-k $k
       score $step $src $o $o-seed1 $o-dense2 ;;
     qwen05-1000)  # the dense model and the 50% preset first (their file written), then its --seed 1 twin beside them
@@ -223,15 +243,9 @@ for step in ${*:-smollm2-262k}; do
       carve $src $o-spread 50
       carve $src out/qwen05-a$p-spread $p
       score $step $src $o-spread out/qwen05-a$p-spread ;;
-    smollm2-chat-spread|qwen05-chat-spread)  # lever 3 on top of the spread windows: the calibration text half the
-      # bundled sample (512-token windows spread over it, as the presets read it) and half the conversations the model
-      # wrote itself from its chat template (the ones smollm2-chat / qwen05-chat used: 12,877 / 14,930 tokens), so
-      # that the preset's 16,384 windows, spread over the mix, take half of each
-      if [ $step = smollm2-chat-spread ]; then n=12800; else n=14848; fi
-      conv=out/levers/conversations-$m.txt
-      [ -f $conv ] || .venv/bin/python scripts/chat_text.py $src $conv --tokens 12288
-      .venv/bin/python scripts/chat_text.py $src out/levers/chat-spread-$m.txt \
-        --prefix moeify/data/calib_sample.txt --prefix-tokens $n --spread --control $conv
+    smollm2-chat-spread|qwen05-chat-spread)  # lever 3 on top of the spread windows: calibrated on half the bundled
+      # sample, half the model's own conversations (chat_spread_text)
+      chat_spread_text $src $m
       carve $src $o-spread 50
       carve $src $o-chat-spread 50 --calib out/levers/chat-spread-$m.txt
       score $step $src $o-spread $o-chat-spread ;;
@@ -255,14 +269,37 @@ for step in ${*:-smollm2-262k}; do
         outs+=($o-spread-1m)
       fi
       score $step $src "${outs[@]}" ;;
-    smollm2-spread-524k-bundled|qwen05-spread-524k-bundled)  # lever 4's tokens on the tune as it ships: the
-      # -bundled tune tuned on for 262,144 more (524,288 in all, newly sampled text), beside the carve and the 262k
-      # tune (their answers cached by -262k-bundled)
+    smollm2-spread-524k-bundled|qwen05-spread-524k-bundled|smollm2-spread-1m-bundled)  # lever 4's tokens on the
+      # tune as it ships: the -bundled tune tuned on for 262,144 more (524,288 in all, newly sampled text), then (1m)
+      # 524,288 more again, beside the carve and the shorter tunes (their answers cached by the earlier steps)
       flags=(--tune-text bundled:tune_prose.txt)
       carve $src $o-spread 50
       tuned $src $o-spread $o-spread-262k-bundled 262144 "${flags[@]}"
       tuned $src $o-spread-262k-bundled $o-spread-524k-bundled 262144 "${flags[@]}"
-      score $step $src $o-spread $o-spread-262k-bundled $o-spread-524k-bundled ;;
+      outs=($o-spread $o-spread-262k-bundled $o-spread-524k-bundled)
+      if [ $step = smollm2-spread-1m-bundled ]; then
+        tuned $src $o-spread-524k-bundled $o-spread-1m-bundled 524288 "${flags[@]}"
+        outs+=($o-spread-1m-bundled)
+      fi
+      score $step $src "${outs[@]}" ;;
+    smollm2-contribution-262k-bundled|qwen05-contribution-262k-bundled|smollm2-dense-layers-262k-bundled|\
+    qwen05-dense-layers-262k-bundled|smollm2-chat-spread-262k-bundled|qwen05-chat-spread-262k-bundled)
+      # levers 2, 1 and 3 tuned: the lever's carve (spread windows) tuned as the preset ships, beside the preset's
+      # shipped tune (answers cached by -spread-262k-bundled); retention's pairing reads the lever against it
+      flags=(--tune-text bundled:tune_prose.txt)
+      carve $src $o-spread 50
+      tuned $src $o-spread $o-spread-262k-bundled 262144 "${flags[@]}"
+      case $step in
+        *-contribution-*) lever active-50 shared_by contribution; c=$o-spread-contribution
+          carve $src $c out/levers/active-50-shared_by-contribution ;;
+        *-dense-layers-*) k=7; [ $m = smollm2-135m ] && k=10
+          dense_layers_lever $k; c=$o-spread-dense2
+          carve $src $c out/levers/active-50-dense_layers-auto2-top$k --dense-layers auto:2 --top-k $k ;;
+        *) chat_spread_text $src $m; c=$o-chat-spread
+          carve $src $c 50 --calib out/levers/chat-spread-$m.txt ;;
+      esac
+      tuned $src $c $c-262k-bundled 262144 "${flags[@]}"
+      score $step $src $o-spread-262k-bundled $c-262k-bundled ;;
     smollm2-spread-262k*|qwen05-spread-262k*)  # the spread 50% preset tuned
       # on the preset's 262,144 tokens (the bundled sample and 131,072 tokens sampled by the dense model, and since
       # 2026-12-07 the bundled prose: -bundled, in a folder of its own), or with the

@@ -130,3 +130,57 @@ def test_the_shipped_tune_continues_on_the_prose_to_524k(stub):
         "--out results/quality/tasks-qwen05-spread-524k-bundled-1000.json"]
     code, again, _ = run(stub, "qwen05-spread-524k-bundled", ONLY="arc_easy,piqa")
     assert code == 0 and again == log[3:]
+
+
+def test_the_shipped_tune_goes_on_to_1m_on_smollm2(stub):
+    """smollm2-spread-1m-bundled: 262k, 262k more, then 524k more, each from the last on the prose, all four scored."""
+    code, log, err = run(stub, "smollm2-spread-1m-bundled")
+    assert code == 0, err
+    o = "out/smollm2-a50-spread"
+    tunes = [line.split()[3:6] for line in log if line.startswith("moeify tune")]
+    assert tunes == [[f"{o}-262k-bundled", "--tokens", "262144"], [f"{o}-524k-bundled", "--tokens", "262144"],
+                     [f"{o}-1m-bundled", "--tokens", "524288"]]
+    assert log[-1].startswith(f"python scripts/bench_tasks.py models/smollm2-135m {o} {o}-262k-bundled "
+                              f"{o}-524k-bundled {o}-1m-bundled {SCORE} --out ")
+
+
+@pytest.mark.parametrize("lever, carved, flags", [
+    ("contribution", "spread-contribution", "--preset out/levers/active-50-shared_by-contribution.toml"),
+    ("dense-layers", "spread-dense2",
+     "--preset out/levers/active-50-dense_layers-auto2-top7.toml --no-tune --overwrite "
+     "--dense-layers auto:2 --top-k 7"),
+    ("chat-spread", "chat-spread", "--calib out/levers/chat-spread-qwen2.5-coder-0.5b.txt")])
+def test_a_lever_tuned_as_the_preset_ships_beside_the_shipped_tune(stub, lever, carved, flags):
+    """MODEL-LEVER-262k-bundled: the shipped tune, the lever's carve (its own preset file, or the preset with its own
+    calibration text), that carve tuned as the preset ships, and the two tunes scored, the shipped one first (retention
+    pairs the lever's tune against it)."""
+    code, log, err = run(stub, f"qwen05-{lever}-262k-bundled", ONLY="arc_easy,piqa")
+    assert code == 0, err
+    src, o, c = "models/qwen2.5-coder-0.5b", "out/qwen05-a50-spread", f"out/qwen05-a50-{carved}"
+    prose = "--tune-text bundled:tune_prose.txt"
+    converts = [line for line in log if line.startswith("moeify convert")]
+    assert converts[0] == f"moeify convert {src} {o} --preset configs/active-50.toml --no-tune --overwrite"
+    assert converts[1].startswith(f"moeify convert {src} {c} ") and flags in converts[1]
+    assert [line for line in log if line.startswith("moeify tune")] == [
+        f"moeify tune {src} {o}-262k-bundled --tokens 262144 {prose}",
+        f"moeify tune {src} {c}-262k-bundled --tokens 262144 {prose}"]
+    assert log[-1] == (f"python scripts/bench_tasks.py {src} {o}-262k-bundled {c}-262k-bundled {SCORE} "
+                       f"--tasks arc_easy,piqa --out results/quality/tasks-qwen05-{lever}-262k-bundled-1000.json")
+    if lever == "dense-layers":
+        assert 'targets = ["transformers", "vllm"]' in (stub / "out/levers/active-50-dense_layers-auto2-top7.toml"
+                                                        ).read_text()
+
+
+def test_the_training_free_dense_layers_and_chat_spread_steps_use_the_shared_helpers(stub):
+    """smollm2-dense-layers: top-10 with 2 layers dense from its own preset file; smollm2-chat-spread: the calibration
+    text from 12,800 tokens of the sample and the model's conversations, written before the carve that reads it."""
+    code, log, err = run(stub, "smollm2-dense-layers", "smollm2-chat-spread")
+    assert code == 0, err
+    assert ("moeify convert models/smollm2-135m out/smollm2-a50-dense2 --preset "
+            "out/levers/active-50-dense_layers-auto2-top10.toml --no-tune --overwrite --dense-layers auto:2 --top-k 10"
+            ) in log
+    texts = [i for i, line in enumerate(log) if line.startswith("python scripts/chat_text.py")]
+    assert "--prefix-tokens 12800 --spread --control out/levers/conversations-smollm2-135m.txt" in log[texts[-1]]
+    carve = log.index("moeify convert models/smollm2-135m out/smollm2-a50-chat-spread --preset configs/active-50.toml "
+                      "--no-tune --overwrite --calib out/levers/chat-spread-smollm2-135m.txt")
+    assert carve > texts[-1]
