@@ -41,7 +41,8 @@
 #   smollm2-spread-262k-chat  the same tune with the conversations as its --tune-text (~50 min + ~10 min)
 #   qwen05-spread-262k-chat, -attention, -routers  the 0.5B's versions of SmolLM2's steps of those names (with
 #                  PLAIN=0 ONLY=the four, on 2026-12-07's AVX512-BF16 EPYC: 13 min carving, 20-36 min sampling,
-#                  62 min of steps with -attention, 44 with -routers, 13 min a model; -chat not yet run)
+#                  62 min of steps with -attention, 44 with -routers, 56 with -chat, 13-14 min a model; -chat's
+#                  conversations 18 min)
 #   qwen05-contribution  lever 2 on the second size: the 0.5B's 50% preset (spread windows, as it carves now) with
 #                  its shared expert chosen by contribution, beside the preset (~25 min carving + ~60 min of tasks)
 #   smollm2-spread-262k-hidden  lever 4's objective: the same tune with every layer's output matched too
