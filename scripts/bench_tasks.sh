@@ -111,10 +111,16 @@ carve() {  # SRC OUT PRESET [FLAGS...]: the training-free carve, unless it is th
 lever() {  # PRESET KEY VALUE: out/levers/PRESET-KEY-VALUE.toml, the preset with one key set (a lever to measure)
   { echo "$2 = \"$3\""; cat "configs/$1.toml"; } > "out/levers/$1-$2-$3.toml"
 }
-dense_layers_lever() {  # K: out/levers/active-50-dense_layers-auto2-topK.toml, the 50% preset for transformers
-  # and vLLM only (llama.cpp's qwen2moe maps no mlp_only_layers), to carve with --dense-layers auto:2 --top-k K
+carve_dense2() {  # SRC OUT K: lever 1, the 50% preset with its 2 layers of largest carve error kept dense and top-K
+  # routed elsewhere, from out/levers/active-50-dense_layers-auto2-topK.toml (for transformers and vLLM only:
+  # llama.cpp's qwen2moe maps no mlp_only_layers)
   sed -e 's/^targets = .*/targets = ["transformers", "vllm"]/' configs/active-50.toml \
-    > out/levers/active-50-dense_layers-auto2-top$1.toml
+    > out/levers/active-50-dense_layers-auto2-top$3.toml
+  carve $1 $2 out/levers/active-50-dense_layers-auto2-top$3 --dense-layers auto:2 --top-k $3
+}
+carve_contribution() {  # SRC OUT: lever 2, the 50% preset with its shared expert chosen by contribution
+  lever active-50 shared_by contribution
+  carve $1 $2 out/levers/active-50-shared_by-contribution
 }
 chat_spread_text() {  # SRC M: out/levers/chat-spread-M.txt, half the bundled sample (512-token windows spread over it,
   # as the presets read it) and half the conversations the model wrote itself from its chat template (the ones
@@ -175,14 +181,12 @@ for step in ${*:-smollm2-262k}; do
     smollm2-contribution)  # the shared expert by contribution, against the 50% preset and its --seed 1 twin
       carve $src $o 50
       carve $src $o-seed1 50 --seed 1
-      lever active-50 shared_by contribution
-      carve $src $o-contribution out/levers/active-50-shared_by-contribution
+      carve_contribution $src $o-contribution
       score $step $src $o $o-seed1 $o-contribution ;;
     qwen05-contribution|smollm2-spread-contribution)  # the shared expert by contribution, against the preset as it
       # carves now (spread windows)
       carve $src $o-spread 50
-      lever active-50 shared_by contribution
-      carve $src $o-spread-contribution out/levers/active-50-shared_by-contribution
+      carve_contribution $src $o-spread-contribution
       score $step $src $o-spread $o-spread-contribution ;;
     smollm2-active75)  # a 75% layout (half of d_ff shared + top-12 of 24 routed on SmolLM2), beside the presets
       sed -e 's/^active = 0.5$/active = 0.75/' -e 's/^shared = 0.25$/shared = 0.5/' configs/active-50.toml \
@@ -196,8 +200,7 @@ for step in ${*:-smollm2-262k}; do
       if [ $step = smollm2-dense-layers ]; then k=10; else k=7; fi
       carve $src $o 50
       carve $src $o-seed1 50 --seed 1
-      dense_layers_lever $k
-      carve $src $o-dense2 out/levers/active-50-dense_layers-auto2-top$k --dense-layers auto:2 --top-k $k
+      carve_dense2 $src $o-dense2 $k
       score $step $src $o $o-seed1 $o-dense2 ;;
     qwen05-1000)  # the dense model and the 50% preset first (their file written), then its --seed 1 twin beside them
       carve $src $o 50
@@ -291,11 +294,9 @@ for step in ${*:-smollm2-262k}; do
       carve $src $o-spread 50
       tuned $src $o-spread $o-spread-262k-bundled 262144 "${flags[@]}"
       case $step in
-        *-contribution-*) lever active-50 shared_by contribution; c=$o-spread-contribution
-          carve $src $c out/levers/active-50-shared_by-contribution ;;
+        *-contribution-*) c=$o-spread-contribution; carve_contribution $src $c ;;
         *-dense-layers-*) k=7; [ $m = smollm2-135m ] && k=10
-          dense_layers_lever $k; c=$o-spread-dense2
-          carve $src $c out/levers/active-50-dense_layers-auto2-top$k --dense-layers auto:2 --top-k $k ;;
+          c=$o-spread-dense2; carve_dense2 $src $c $k ;;
         *) chat_spread_text $src $m; c=$o-chat-spread
           carve $src $c 50 --calib out/levers/chat-spread-$m.txt ;;
       esac
