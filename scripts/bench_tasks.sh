@@ -111,12 +111,14 @@ carve() {  # SRC OUT PRESET [FLAGS...]: the training-free carve, unless it is th
 lever() {  # PRESET KEY VALUE: out/levers/PRESET-KEY-VALUE.toml, the preset with one key set (a lever to measure)
   { echo "$2 = \"$3\""; cat "configs/$1.toml"; } > "out/levers/$1-$2-$3.toml"
 }
-carve_dense2() {  # SRC OUT K: lever 1, the 50% preset with its 2 layers of largest carve error kept dense and top-K
-  # routed elsewhere, from out/levers/active-50-dense_layers-auto2-topK.toml (for transformers and vLLM only:
-  # llama.cpp's qwen2moe maps no mlp_only_layers)
+carve_dense2() {  # SRC OUT: lever 1, the 50% preset with its 2 layers of largest carve error kept dense and top-K
+  # routed elsewhere at the same compute (K 10 on SmolLM2, 7 on the 0.5B), from
+  # out/levers/active-50-dense_layers-auto2-topK.toml (for transformers and vLLM only: llama.cpp's qwen2moe maps no
+  # mlp_only_layers)
+  local k=7; [[ $1 = *smollm2* ]] && k=10
   sed -e 's/^targets = .*/targets = ["transformers", "vllm"]/' configs/active-50.toml \
-    > out/levers/active-50-dense_layers-auto2-top$3.toml
-  carve $1 $2 out/levers/active-50-dense_layers-auto2-top$3 --dense-layers auto:2 --top-k $3
+    > out/levers/active-50-dense_layers-auto2-top$k.toml
+  carve $1 $2 out/levers/active-50-dense_layers-auto2-top$k --dense-layers auto:2 --top-k $k
 }
 carve_contribution() {  # SRC OUT: lever 2, the 50% preset with its shared expert chosen by contribution
   lever active-50 shared_by contribution
@@ -197,10 +199,9 @@ for step in ${*:-smollm2-262k}; do
       # dense (auto:2), fewer routed elsewhere (SmolLM2: top-10 of 36, 49.4% average active, the preset 50.0%; the
       # 0.5B: top-7 of 28, report.json: 0.515x the dense FFN FLOPs, the preset 0.502x), beside the preset and its
       # --seed 1 twin; transformers and vLLM only
-      if [ $step = smollm2-dense-layers ]; then k=10; else k=7; fi
       carve $src $o 50
       carve $src $o-seed1 50 --seed 1
-      carve_dense2 $src $o-dense2 $k
+      carve_dense2 $src $o-dense2
       score $step $src $o $o-seed1 $o-dense2 ;;
     qwen05-1000)  # the dense model and the 50% preset first (their file written), then its --seed 1 twin beside them
       carve $src $o 50
@@ -295,8 +296,7 @@ for step in ${*:-smollm2-262k}; do
       tuned $src $o-spread $o-spread-262k-bundled 262144 "${flags[@]}"
       case $step in
         *-contribution-*) c=$o-spread-contribution; carve_contribution $src $c ;;
-        *-dense-layers-*) k=7; [ $m = smollm2-135m ] && k=10
-          c=$o-spread-dense2; carve_dense2 $src $c $k ;;
+        *-dense-layers-*) c=$o-spread-dense2; carve_dense2 $src $c ;;
         *) chat_spread_text $src $m; c=$o-chat-spread
           carve $src $c 50 --calib out/levers/chat-spread-$m.txt ;;
       esac
